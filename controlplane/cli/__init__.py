@@ -1,0 +1,1 @@
+"""The ``llmctl`` command line; the only package that prints."""

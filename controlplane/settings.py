@@ -1,0 +1,105 @@
+"""Settings shared by the CLI, the gateway and the controller: one YAML file plus ``SARV_*`` variables.
+
+Precedence (highest first): explicit arguments, environment (``SARV_STATE_URL``, ``SARV_INVENTORY`` …),
+the YAML config file (``$SARV_CONFIG``, else ``~/.config/sarv/config.yaml`` when present), defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from controlplane.errors import ConfigError, describe_validation_error
+
+__all__ = ["Settings", "default_config_path", "load_settings"]
+
+
+def _default_home() -> Path:
+    xdg = os.environ.get("XDG_DATA_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "sarv"
+
+
+def default_config_path() -> Path:
+    env = os.environ.get("SARV_CONFIG")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CONFIG_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".config") / "sarv" / "config.yaml"
+
+
+class Settings(BaseSettings):
+    """Sarv's settings. Every field can be set as ``SARV_<FIELD>`` or as a key of the config file."""
+
+    model_config = SettingsConfigDict(env_prefix="SARV_", extra="forbid", validate_default=True)
+
+    home: Path = Field(default_factory=_default_home)
+    """Local data: SQLite state, replica logs, model cache for the embedded default."""
+    state_url: str = ""
+    """``sqlite:///PATH`` (default: ``<home>/state.db``), ``redis://…``, ``rediss://…`` or
+    ``redis+cluster://host:port,…``."""
+    state_prefix: str = "sarv:"
+    """Key prefix in Redis, so several Sarv installs can share one Redis."""
+    redis_username: str | None = None
+    redis_password: str | None = None
+    redis_tls_ca: Path | None = None
+    redis_tls_cert: Path | None = None
+    redis_tls_key: Path | None = None
+    inventory: Path | None = None
+    """Ansible inventory (INI/YAML) or fleet file; unset means this host is the fleet."""
+    catalog: list[Path] = Field(default_factory=list)
+    """Extra model catalog files (YAML) or Hugging Face model directories."""
+    model_cache: Path | None = None
+    """Where weights land on a node (default: ``<home>/models``; the RAID-0 mount on GPU nodes)."""
+    vllm_image: str = "vllm/vllm-openai:v0.11.0"
+    """Container image of the ``vllm`` engine; pinned, pulled from the site's registry mirror."""
+    ray_version: str = "2.49.2"
+    """Ray version matching ``vllm_image``, used for multi-node pipeline parallelism."""
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = Field(default=8080, ge=1, le=65535)
+    ratelimit_fail_open: bool = True
+    """When the rate limiter's Redis is unreachable: admit (True, the default) or refuse with 503."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = default_config_path()
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if path.is_file():
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        return tuple(sources)
+
+    @property
+    def resolved_state_url(self) -> str:
+        return self.state_url or f"sqlite:///{self.home / 'state.db'}"
+
+    @property
+    def resolved_model_cache(self) -> Path:
+        return self.model_cache or self.home / "models"
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from file and environment, with ``overrides`` (non-None values) on top."""
+    path = default_config_path()
+    if os.environ.get("SARV_CONFIG") and not path.is_file():
+        raise ConfigError(f"config file {path} (from SARV_CONFIG) does not exist")
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc, what="settings")) from None
+    except (OSError, ValueError) as exc:  # unreadable or malformed YAML
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None

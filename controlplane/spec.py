@@ -1,0 +1,333 @@
+"""The domain model shared by every module: fleet, models, deployments, plans and runtime records.
+
+Pydantic models are the only config and API boundary (see HOUSE_STYLE #17). Memory is carried in MiB as
+integers, the unit ``nvidia-smi`` reports; GiB appear only in human-facing output.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "GPU",
+    "DTYPE_BYTES",
+    "DeploymentRecord",
+    "DeploymentSpec",
+    "Dtype",
+    "EngineKind",
+    "Fleet",
+    "ModelSpec",
+    "Node",
+    "Plan",
+    "Quantization",
+    "ReplicaPlan",
+    "ReplicaRecord",
+    "ReplicaState",
+    "Shard",
+    "Strategy",
+]
+
+_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
+Name = Annotated[str, Field(min_length=1, max_length=63, pattern=_NAME_RE.pattern)]
+"""A DNS-label-like name (deployments, nodes): lower case, digits, '-' and '.'."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False, use_enum_values=False)
+
+
+# --------------------------------------------------------------------------------------------- fleet
+
+
+class Interconnect(StrEnum):
+    """How the GPUs of one node talk to each other."""
+
+    NVLINK = "nvlink"
+    PCIE = "pcie"
+
+
+class GPU(_Model):
+    """One GPU as ``nvidia-smi`` sees it."""
+
+    index: int = Field(ge=0, le=63)
+    """Index as used by ``CUDA_VISIBLE_DEVICES`` / ``--gpus device=``."""
+    uuid: str = ""
+    """``GPU-…`` UUID; empty when the GPU comes from a declared inventory rather than discovery."""
+    model: str = Field(min_length=1)
+    """Product name without the vendor prefix, e.g. ``A100-SXM4-80GB``."""
+    memory_total_mib: int = Field(gt=0)
+    memory_used_mib: int = Field(default=0, ge=0)
+    pci_bus_id: str = ""
+    nvlink_peers: list[int] = Field(default_factory=list)
+    """Indices of GPUs reachable over NVLink (``NV#`` in ``nvidia-smi topo -m``)."""
+    pcie_switch: str | None = None
+    """Opaque id shared by GPUs behind the same PCIe switch (``PIX``/``PXB`` in ``topo -m``)."""
+    numa_node: int | None = None
+
+    @property
+    def memory_free_mib(self) -> int:
+        return max(0, self.memory_total_mib - self.memory_used_mib)
+
+    @model_validator(mode="after")
+    def _used_le_total(self) -> GPU:
+        if self.memory_used_mib > self.memory_total_mib:
+            raise ValueError(
+                f"memory_used_mib ({self.memory_used_mib}) exceeds memory_total_mib "
+                f"({self.memory_total_mib})"
+            )
+        return self
+
+
+class Node(_Model):
+    """One server of the fleet."""
+
+    name: str = Field(min_length=1, max_length=253)
+    address: str = Field(min_length=1)
+    """Where SSH and the gateway reach it (``ansible_host`` or the inventory name)."""
+    groups: list[str] = Field(default_factory=list)
+    labels: dict[str, str] = Field(default_factory=dict)
+    gpus: list[GPU] = Field(default_factory=list)
+    interconnect: Interconnect = Interconnect.PCIE
+    nic: str | None = None
+    """Interface carrying inter-node traffic; becomes ``NCCL_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME``."""
+    ssh_user: str | None = None
+    ssh_port: int = Field(default=22, ge=1, le=65535)
+
+    @model_validator(mode="after")
+    def _unique_gpu_indices(self) -> Node:
+        seen = [g.index for g in self.gpus]
+        if len(seen) != len(set(seen)):
+            raise ValueError(f"node {self.name}: duplicate GPU indices {sorted(seen)}")
+        return self
+
+    @property
+    def gpu_model(self) -> str | None:
+        """The GPU model when all GPUs are the same, else None."""
+        models = {g.model for g in self.gpus}
+        return models.pop() if len(models) == 1 else None
+
+
+class Fleet(_Model):
+    """The documented fleet file (``llmctl inventory --output json|yaml``), accepted back by ``-i``."""
+
+    version: int = Field(default=1, ge=1, le=1)
+    nodes: list[Node] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Fleet:
+        names = [n.name for n in self.nodes]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"duplicate node names: {', '.join(dup)}")
+        return self
+
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+
+# -------------------------------------------------------------------------------------------- models
+
+
+class Dtype(StrEnum):
+    BF16 = "bfloat16"
+    FP16 = "float16"
+    FP32 = "float32"
+    AUTO = "auto"
+
+
+class Quantization(StrEnum):
+    """Weight formats, highest precision first (the order ``auto`` tries them in)."""
+
+    AUTO = "auto"
+    NONE = "none"  # bf16/fp16 weights
+    FP8 = "fp8"
+    INT8 = "int8"
+    AWQ = "awq"  # int4
+    GPTQ = "gptq"  # int4
+
+
+DTYPE_BYTES: dict[Dtype, float] = {
+    Dtype.BF16: 2.0,
+    Dtype.FP16: 2.0,
+    Dtype.FP32: 4.0,
+    Dtype.AUTO: 2.0,
+}
+
+
+class ModelSpec(_Model):
+    """Architecture numbers of a model: what the memory estimator and the planner need."""
+
+    name: str = Field(min_length=1)
+    hf_id: str = ""
+    """Hugging Face id, informative only: nothing is downloaded from a hub."""
+    architecture: str = "LlamaForCausalLM"
+    num_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    num_experts: int = Field(default=1, ge=1)
+    experts_per_token: int = Field(default=1, ge=1)
+    vocab_size: int = Field(gt=0)
+    tie_word_embeddings: bool = False
+    num_params: int = Field(gt=0)
+    """Total parameters (all experts)."""
+    max_model_len: int = Field(gt=0)
+    """Default (and largest supported) context length."""
+    quantizations: list[Quantization] = Field(
+        default_factory=lambda: [Quantization.NONE, Quantization.FP8, Quantization.INT8,
+                                 Quantization.AWQ, Quantization.GPTQ]
+    )
+    """Weight variants available for this model."""
+    task: str = "generate"
+    """``generate`` or ``embed``."""
+
+    @model_validator(mode="after")
+    def _heads(self) -> ModelSpec:
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.experts_per_token > self.num_experts:
+            raise ValueError("experts_per_token cannot exceed num_experts")
+        return self
+
+
+# ---------------------------------------------------------------------------------------- deployments
+
+
+class Strategy(StrEnum):
+    BINPACK = "binpack"
+    SPREAD = "spread"
+
+
+class EngineKind(StrEnum):
+    VLLM = "vllm"
+    VLLM_CPU = "vllm-cpu"
+    SIM = "sim"
+
+
+class DeploymentSpec(_Model):
+    """What the user asks for: ``llmctl deploy``/``plan`` options, validated."""
+
+    name: Name
+    model: str = Field(min_length=1)
+    replicas: int = Field(default=1, ge=1, le=1024)
+    tp: int = Field(default=1, ge=1, le=64)
+    pp: int | None = Field(default=None, ge=1, le=64)
+    """None lets the planner pick the smallest pipeline depth that fits."""
+    quantization: Quantization = Quantization.NONE
+    dtype: Dtype = Dtype.BF16
+    kv_cache_dtype: str = "auto"
+    max_model_len: int | None = Field(default=None, ge=16, le=1 << 22)
+    concurrency: int = Field(default=1, ge=1, le=65536)
+    """Target number of max_model_len sequences the KV cache must hold at once."""
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.05, le=0.99)
+    strategy: Strategy = Strategy.BINPACK
+    engine: EngineKind = EngineKind.VLLM
+    engine_args: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    """Extra engine options (``max_num_seqs``, ``enable_prefix_caching``, ``lora_modules`` …)."""
+    source: str | None = None
+    """Weights: a local directory or an http(s)/s3 URL with a sha256 manifest."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Only nodes whose labels contain all these pairs."""
+
+    @field_validator("engine_args")
+    @classmethod
+    def _engine_arg_names(
+        cls, v: dict[str, str | int | float | bool]
+    ) -> dict[str, str | int | float | bool]:
+        for key in v:
+            if not re.fullmatch(r"[a-z][a-z0-9_]*", key):
+                raise ValueError(f"engine argument {key!r} must be snake_case (e.g. max_num_seqs)")
+        return v
+
+
+class Shard(_Model):
+    """One pipeline stage of a replica: ``tp`` GPUs of one node."""
+
+    node: str
+    gpus: list[int]
+    pp_rank: int = Field(ge=0)
+
+
+class ReplicaPlan(_Model):
+    tp: int = Field(ge=1)
+    pp: int = Field(ge=1)
+    quantization: Quantization = Quantization.NONE
+    shards: list[Shard]
+    per_gpu_memory_gib: float
+    max_concurrency: int = Field(ge=0)
+
+
+class Plan(_Model):
+    """The planner's answer. ``model_dump(include=…)`` of the documented keys is the JSON contract."""
+
+    model: str
+    deployment: str = ""
+    replicas: list[ReplicaPlan] = Field(default_factory=list)
+    unplaced: int = Field(default=0, ge=0)
+    reasons: list[str] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+    """Informational lines (e.g. why ``--quantization auto`` chose a variant)."""
+
+
+# ----------------------------------------------------------------------------------------- runtime
+
+
+class ReplicaState(StrEnum):
+    PENDING = "pending"
+    STARTING = "starting"
+    READY = "ready"
+    UNHEALTHY = "unhealthy"
+    FAILED = "failed"
+    STOPPING = "stopping"
+
+
+class ReplicaRecord(_Model):
+    """Observed state of one running replica; what the gateway routes to."""
+
+    id: str
+    """``<deployment>-<index>``."""
+    deployment: str
+    index: int = Field(ge=0)
+    model: str
+    """Served model name (what clients put in ``"model"``)."""
+    engine: EngineKind
+    shards: list[Shard] = Field(default_factory=list)
+    node: str
+    """Node of pp rank 0 (where the API server listens)."""
+    endpoint: str | None = None
+    """Base URL, e.g. ``http://127.0.0.1:8101``; None until the engine listens."""
+    state: ReplicaState = ReplicaState.PENDING
+    adapters: list[str] = Field(default_factory=list)
+    """LoRA adapter names served by this replica (routable as models)."""
+    capacity: float = Field(default=1.0, gt=0)
+    """Relative throughput, used to normalise load across heterogeneous replicas."""
+    handle: dict[str, str] = Field(default_factory=dict)
+    """Launcher bookkeeping (pid, unit name, log path …)."""
+    message: str = ""
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+
+class DeploymentRecord(_Model):
+    """Desired state of one deployment."""
+
+    spec: DeploymentSpec
+    plan: Plan
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name

@@ -1,0 +1,67 @@
+"""The :class:`StateStore` protocol every backend implements, and the API-key record it stores."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from controlplane.spec import DeploymentRecord, ReplicaRecord
+
+__all__ = ["ApiKeyRecord", "StateStore"]
+
+
+class ApiKeyRecord(BaseModel):
+    """An API key as stored: only the sha256 of the secret, never the secret itself."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128)
+    key_hash: str = Field(pattern=r"^[0-9a-f]{64}$")
+    """sha256 hex digest of the full key."""
+    prefix: str = ""
+    """First characters of the key (``sk-sarv-AbCd``), shown by ``llmctl keys list``."""
+    models: list[str] = Field(default_factory=list)
+    """Allowed model names; empty means all."""
+    rpm: int | None = Field(default=None, ge=1)
+    tpm: int | None = Field(default=None, ge=1)
+    daily_tokens: int | None = Field(default=None, ge=1)
+    max_prompt_tokens: int | None = Field(default=None, ge=1)
+    expires_at: float | None = None
+    revoked: bool = False
+    created_at: float = 0.0
+
+
+@runtime_checkable
+class StateStore(Protocol):
+    """Desired state (deployments), observed state (replicas) and API keys.
+
+    Every write bumps a monotonically increasing revision so that readers (gateways) can cheaply
+    poll for change. Implementations are safe to share between threads of one process.
+    """
+
+    # deployments (desired)
+    def put_deployment(self, record: DeploymentRecord) -> None: ...
+    def get_deployment(self, name: str) -> DeploymentRecord | None: ...
+    def list_deployments(self) -> list[DeploymentRecord]: ...
+    def delete_deployment(self, name: str) -> bool: ...
+
+    # replicas (observed)
+    def put_replica(self, record: ReplicaRecord) -> None: ...
+    def get_replica(self, replica_id: str) -> ReplicaRecord | None: ...
+    def list_replicas(self, deployment: str | None = None) -> list[ReplicaRecord]: ...
+    def delete_replica(self, replica_id: str) -> bool: ...
+
+    # API keys
+    def put_api_key(self, record: ApiKeyRecord) -> None: ...
+    def get_api_key(self, key_hash: str) -> ApiKeyRecord | None: ...
+    def get_api_key_by_name(self, name: str) -> ApiKeyRecord | None: ...
+    def list_api_keys(self) -> list[ApiKeyRecord]: ...
+
+    # change feed and lifecycle
+    def revision(self) -> int: ...
+    def ping(self) -> None:
+        """Raise :class:`~controlplane.errors.StateError` when the backend is unreachable."""
+        ...
+
+    def close(self) -> None: ...
