@@ -1,4 +1,4 @@
-"""Sarv control plane: fleet, catalog, placement, engines, launchers, state, gateway and the ``llmctl`` CLI."""
+"""Sarv control plane: fleet, catalog, placement, engines, launchers, state, gateway, ``llmctl``."""
 
 __version__ = "0.1.0"
 

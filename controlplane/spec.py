@@ -13,8 +13,8 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
-    "GPU",
     "DTYPE_BYTES",
+    "GPU",
     "DeploymentRecord",
     "DeploymentSpec",
     "Dtype",
@@ -40,7 +40,7 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False, use_enum_values=False)
 
 
-# --------------------------------------------------------------------------------------------- fleet
+# --- fleet
 
 
 class Interconnect(StrEnum):
@@ -76,8 +76,7 @@ class GPU(_Model):
     def _used_le_total(self) -> GPU:
         if self.memory_used_mib > self.memory_total_mib:
             raise ValueError(
-                f"memory_used_mib ({self.memory_used_mib}) exceeds memory_total_mib "
-                f"({self.memory_total_mib})"
+                f"memory_used_mib ({self.memory_used_mib}) exceeds memory_total_mib ({self.memory_total_mib})"
             )
         return self
 
@@ -132,7 +131,7 @@ class Fleet(_Model):
         raise KeyError(name)
 
 
-# -------------------------------------------------------------------------------------------- models
+# --- models
 
 
 class Dtype(StrEnum):
@@ -183,8 +182,13 @@ class ModelSpec(_Model):
     max_model_len: int = Field(gt=0)
     """Default (and largest supported) context length."""
     quantizations: list[Quantization] = Field(
-        default_factory=lambda: [Quantization.NONE, Quantization.FP8, Quantization.INT8,
-                                 Quantization.AWQ, Quantization.GPTQ]
+        default_factory=lambda: [
+            Quantization.NONE,
+            Quantization.FP8,
+            Quantization.INT8,
+            Quantization.AWQ,
+            Quantization.GPTQ,
+        ]
     )
     """Weight variants available for this model."""
     task: str = "generate"
@@ -202,7 +206,7 @@ class ModelSpec(_Model):
         return self
 
 
-# ---------------------------------------------------------------------------------------- deployments
+# --- deployments
 
 
 class Strategy(StrEnum):
@@ -243,9 +247,7 @@ class DeploymentSpec(_Model):
 
     @field_validator("engine_args")
     @classmethod
-    def _engine_arg_names(
-        cls, v: dict[str, str | int | float | bool]
-    ) -> dict[str, str | int | float | bool]:
+    def _engine_arg_names(cls, v: dict[str, str | int | float | bool]) -> dict[str, str | int | float | bool]:
         for key in v:
             if not re.fullmatch(r"[a-z][a-z0-9_]*", key):
                 raise ValueError(f"engine argument {key!r} must be snake_case (e.g. max_num_seqs)")
@@ -281,7 +283,7 @@ class Plan(_Model):
     """Informational lines (e.g. why ``--quantization auto`` chose a variant)."""
 
 
-# ----------------------------------------------------------------------------------------- runtime
+# --- runtime
 
 
 class ReplicaState(StrEnum):

@@ -73,16 +73,21 @@ class _Progress:
         self._p = progress
         self._tasks: dict[str, Any] = {}
 
-    def update(self, key: str, description: str, *, total: float | None = None,
-               completed: float | None = None) -> None:
+    def update(
+        self,
+        key: str,
+        description: str,
+        *,
+        total: float | None = None,
+        completed: float | None = None,
+    ) -> None:
         """Show or update one line of progress; without a terminal, print it once per change."""
         if self._p is None:
             _stderr().print(f"… {description}", markup=False)
             return
         if key not in self._tasks:
             self._tasks[key] = self._p.add_task(description, total=total)
-        self._p.update(self._tasks[key], description=description, total=total,
-                       completed=completed)
+        self._p.update(self._tasks[key], description=description, total=total, completed=completed)
 
 
 @contextmanager
@@ -91,6 +96,12 @@ def progress() -> Iterator[_Progress]:
     if not sys.stderr.isatty():
         yield _Progress(None)
         return
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                  TimeElapsedColumn(), console=_stderr(), transient=False) as p:
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=_stderr(),
+        transient=False,
+    ) as p:
         yield _Progress(p)
