@@ -1,0 +1,4 @@
+output "inventory" {
+  description = "The generated Ansible inventory (INI)."
+  value       = module.sarv.inventory
+}
