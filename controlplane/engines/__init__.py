@@ -1,0 +1,1 @@
+"""How to run one replica of an engine: command line, environment, health and metrics URLs."""

@@ -1,0 +1,88 @@
+"""Command line of the simulator: one ``--option`` per :class:`SimConfig` field, named as vLLM names them."""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from controlplane.engines.sim.config import SimConfig
+from controlplane.errors import ConfigError, describe_validation_error
+
+__all__ = ["build_parser", "main", "parse_config"]
+
+
+def _scalar_type(annotation: Any) -> Any:
+    """The non-None member of ``X | None``."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return members[0]
+    return annotation
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m controlplane.engines.sim",
+        description="A vLLM-compatible simulated engine: OpenAI API, /health and vLLM's /metrics.",
+    )
+    for name, info in SimConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kind = _scalar_type(info.annotation)
+        doc = (info.description or "").strip()
+        default = "" if info.default_factory is not None else f" (default: {info.default})"
+        help_text = f"{doc}{default}" if doc else default.strip(" ()") or None
+        if kind is bool:
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        elif typing.get_origin(kind) is list:
+            parser.add_argument(flag, dest=name, nargs="*", default=None, metavar="NAME", help=help_text)
+        elif isinstance(kind, type) and issubclass(kind, enum.Enum):
+            choices = [m.value for m in kind]
+            parser.add_argument(flag, dest=name, choices=choices, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
+    return parser
+
+
+def parse_config(argv: Sequence[str]) -> SimConfig:
+    """A validated :class:`SimConfig` from command-line arguments; :class:`ConfigError` when invalid."""
+    args = build_parser().parse_args(list(argv))
+    values = {k: v for k, v in vars(args).items() if v is not None}
+    try:
+        return SimConfig.model_validate(values)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc, what="simulator options")) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = parse_config(sys.argv[1:] if argv is None else argv)
+    except ConfigError as err:
+        sys.stderr.write(f"error: {err}\n")
+        return err.exit_code
+
+    import uvicorn
+
+    from controlplane.engines.sim.app import create_app
+
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=False,
+        log_level="warning",
+        # Hung requests (hang_rate) hold their connection; do not let them hold up a shutdown.
+        timeout_graceful_shutdown=2,
+        backlog=4096,
+    )
+    return 0

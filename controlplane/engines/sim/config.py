@@ -1,0 +1,98 @@
+"""The simulator's configuration: every field is also a command-line option (``--max-num-seqs`` …)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["LatencyMode", "SimConfig", "SimTask"]
+
+
+class LatencyMode(StrEnum):
+    """How response timing is produced."""
+
+    MODEL = "model"
+    """TTFT from the prefill model (base + uncached tokens × per-token time), ITL per token, load slowdown."""
+    FIXED = "fixed"
+    """Fixed TTFT, fixed ITL and a fixed number of output tokens: a flat upstream for proxy benchmarks."""
+
+
+class SimTask(StrEnum):
+    GENERATE = "generate"
+    EMBED = "embed"
+
+
+class SimConfig(BaseModel):
+    """One simulated vLLM replica. Defaults follow an 8B model on one H100 (REFERENCE.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    model: str | None = None
+    """Accepted for command-line compatibility with vLLM (``--model DIR``); reported as the model's root."""
+    served_model_name: str = Field(default="sim", min_length=1, max_length=256)
+    """Name clients put in ``"model"``."""
+    task: SimTask = SimTask.GENERATE
+    """``embed`` serves ``/v1/embeddings`` instead of completions."""
+    lora_modules: list[str] = Field(default_factory=list)
+    """LoRA adapters served as extra models: ``name`` or vLLM's ``name=path``."""
+    max_model_len: int = Field(default=4096, ge=16, le=1 << 22)
+    max_num_seqs: int = Field(default=256, ge=1, le=65536)
+    """Sequences decoded at once; further requests wait in a FIFO queue."""
+    kv_cache_tokens: int = Field(default=65536, ge=16, le=1 << 30)
+    """KV cache capacity in tokens, shared by running sequences and the prefix cache."""
+    block_size: int = Field(default=16, ge=1, le=1024)
+    enable_prefix_caching: bool = True
+    ttft_ms: float = Field(default=30.0, ge=0, le=600_000)
+    """Base time to first token (scheduling + one forward pass)."""
+    prefill_ms_per_token: float = Field(default=0.25, ge=0, le=1000)
+    """Added to the TTFT for each prompt token not found in the prefix cache."""
+    itl_ms: float = Field(default=12.0, ge=0, le=60_000)
+    """Inter-token latency with a single running sequence."""
+    load_factor: float = Field(default=1.0, ge=1.0, le=100.0)
+    """Latency multiplier when all ``max_num_seqs`` slots run; scales linearly from 1 with one sequence."""
+    output_tokens: int = Field(default=32, ge=1, le=1 << 20)
+    """Output length when a request sets no ``max_tokens`` (finish reason ``stop``)."""
+    seed: int = 0
+    """Seeds output text, embeddings and failure draws, so runs are reproducible."""
+    latency_mode: LatencyMode = LatencyMode.MODEL
+    fixed_ttft_ms: float = Field(default=20.0, ge=0, le=600_000)
+    fixed_itl_ms: float = Field(default=5.0, ge=0, le=60_000)
+    fixed_output_tokens: int = Field(default=16, ge=1, le=1 << 20)
+    """Output tokens of every request in fixed mode, whatever ``max_tokens`` says."""
+    failure_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Fraction of inference requests answered with HTTP 500."""
+    hang_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Fraction of inference requests that are never answered (until the client gives up)."""
+    crash_after: int | None = Field(default=None, ge=1)
+    """Exit the process (status 1) once this many inference requests have finished."""
+    slow_start_s: float = Field(default=0.0, ge=0.0, le=3600.0)
+    """Answer 503 on ``/health`` and ``/v1/*`` for this long after start, like an engine still loading."""
+    embedding_dim: int = Field(default=384, ge=1, le=16384)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SimConfig:
+        if self.failure_rate + self.hang_rate > 1.0:
+            raise ValueError(
+                f"failure_rate ({self.failure_rate}) + hang_rate ({self.hang_rate}) must not exceed 1"
+            )
+        if self.max_model_len > self.kv_cache_tokens:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds kv_cache_tokens ({self.kv_cache_tokens}): "
+                "one full-length sequence must fit the KV cache; raise kv_cache_tokens"
+            )
+        names = [self.served_model_name, *self.adapter_names]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model and adapter names must be unique: {', '.join(names)}")
+        return self
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return [m.split("=", 1)[0] for m in self.lora_modules]
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every name this replica answers to: the served model, then its adapters."""
+        return [self.served_model_name, *self.adapter_names]

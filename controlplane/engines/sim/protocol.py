@@ -1,0 +1,133 @@
+"""OpenAI request bodies the simulator accepts; unknown fields are ignored, as vLLM does."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "ChatMessage",
+    "ChatRequest",
+    "CompletionRequest",
+    "EmbeddingRequest",
+    "StreamOptions",
+]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(_Body):
+    model: str = Field(min_length=1)
+    n: int = Field(default=1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    ignore_eos: bool = False
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionRequest:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list) and len(p) != 1:
+            raise ValueError("prompt: the simulator serves one prompt per request; send a string")
+        if isinstance(p, list) and not p:
+            raise ValueError("prompt must not be empty")
+        return self
+
+    @property
+    def prompt_text_or_ids(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        first = p[0]
+        if isinstance(first, str):
+            return first
+        if isinstance(first, list):
+            return list(first)
+        return [int(x) for x in p if isinstance(x, int)]
+
+
+class _TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_TextPart] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class EmbeddingRequest(_Body):
+    model: str = Field(min_length=1)
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _non_empty(self) -> EmbeddingRequest:
+        if isinstance(self.input, list) and not self.input:
+            raise ValueError("input must not be empty")
+        return self
+
+    @property
+    def inputs(self) -> list[str | list[int]]:
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if all(isinstance(i, int) for i in x):
+            return [[int(i) for i in x if isinstance(i, int)]]
+        return [i if isinstance(i, str) else list(i) for i in x if isinstance(i, str | list)]
