@@ -1,0 +1,447 @@
+"""One-shot deploy: plan → record desired → verify weights → launch → await ready → record observed."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from controlplane.engines.base import Engine, ReplicaContext, check_engine_args, lora_adapter_names
+from controlplane.errors import LaunchError, NotFoundError, PlacementError, SarvError, UserError, WeightsError
+from controlplane.launchers.base import Launcher, ProcessState
+from controlplane.launchers.local import LocalLauncher
+from controlplane.settings import Settings
+from controlplane.spec import (
+    DeploymentRecord,
+    DeploymentSpec,
+    EngineKind,
+    Fleet,
+    ModelSpec,
+    Node,
+    Plan,
+    ReplicaPlan,
+    ReplicaRecord,
+    ReplicaState,
+    Shard,
+)
+from controlplane.state.base import StateStore
+from controlplane.weights import WeightsPolicy
+
+__all__ = ["DeployResult", "Deployer", "ModelCatalog", "Planner", "default_engines"]
+
+Progress = Callable[[str, str], None]
+"""``(key, description)``: one line of progress per key (a replica, the weights …)."""
+Planner = Callable[[Fleet, DeploymentSpec, ModelSpec, list[ReplicaRecord]], Plan]
+LauncherFactory = Callable[[Node], Launcher]
+
+_TINY = "sarv-tiny"
+
+
+class ModelCatalog(Protocol):
+    def get(self, name: str) -> ModelSpec: ...
+
+
+class DeployResult(BaseModel):
+    """What ``deploy`` did: ``changed`` is False when the deployment already ran as asked."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    deployment: str
+    changed: bool
+    replicas: list[ReplicaRecord] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+
+
+def default_engines(settings: Settings) -> dict[EngineKind, Engine]:
+    from controlplane.engines.sim_engine import SimEngine
+    from controlplane.engines.vllm import VllmEngine
+    from controlplane.engines.vllm_cpu import VllmCpuEngine
+
+    return {
+        EngineKind.VLLM: VllmEngine(image=settings.vllm_image),
+        EngineKind.VLLM_CPU: VllmCpuEngine(),
+        EngineKind.SIM: SimEngine(),
+    }
+
+
+def _policy(spec: DeploymentSpec) -> WeightsPolicy:
+    return WeightsPolicy(
+        allow_pickle=spec.engine_args.get("allow_pickle_weights") is True,
+        trust_remote_code=spec.engine_args.get("trust_remote_code") is True,
+    )
+
+
+def _http_ready(url: str, api_key: SecretStr | None, timeout: float = 2.0) -> bool:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key.get_secret_value()}"} if api_key else {}
+    try:
+        return httpx.get(url, headers=headers, timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@dataclass
+class _Launched:
+    record: ReplicaRecord
+    launcher: Launcher
+    ready_path: str
+
+
+@dataclass
+class Deployer:
+    """Applies deployments to the fleet once (``llmctl deploy``), and undoes them.
+
+    Dependencies are injected: the store, fleet, catalog and planner are plain arguments, launchers
+    come from a factory per node, and ``clock``/``sleep`` can be replaced in tests.
+    """
+
+    settings: Settings
+    store: StateStore
+    fleet: Fleet
+    catalog: ModelCatalog
+    planner: Planner
+    launcher_factory: LauncherFactory
+    engines: Mapping[EngineKind, Engine]
+    progress: Progress | None = None
+    api_key: SecretStr | None = None
+    """Key the engines require on ``/v1/*`` (the gateway's); never stored in state."""
+    python: str = "python3"
+    clock: Callable[[], float] = time.time
+    sleep: Callable[[float], None] = time.sleep
+    _launchers: dict[str, Launcher] = field(default_factory=dict)
+
+    # --- helpers
+
+    def _say(self, key: str, text: str) -> None:
+        if self.progress is not None:
+            self.progress(key, text)
+
+    def _launcher(self, node_name: str) -> Launcher:
+        if node_name not in self._launchers:
+            try:
+                node = self.fleet.node(node_name)
+            except KeyError:
+                raise LaunchError(
+                    f"node {node_name} is not in the fleet", hint="check SARV_INVENTORY / --inventory"
+                ) from None
+            self._launchers[node_name] = self.launcher_factory(node)
+        return self._launchers[node_name]
+
+    def _launcher_for_record(self, rec: ReplicaRecord) -> Launcher | None:
+        """The launcher that can act on ``rec``'s handle, or None when it runs elsewhere."""
+        if rec.handle.get("launcher") == LocalLauncher.name:
+            if rec.handle.get("host") not in {None, socket.gethostname()}:
+                return None
+            key = f"local:{rec.node}"
+            if key not in self._launchers:
+                try:
+                    self._launchers[key] = self._launcher(rec.node)
+                except LaunchError:
+                    self._launchers[key] = LocalLauncher(
+                        self.settings.home, self.settings.resolved_model_cache
+                    )
+            return self._launchers[key]
+        if not rec.handle:
+            return None
+        try:
+            return self._launcher(rec.node)
+        except LaunchError:
+            return None
+
+    def _model_source(self, spec: DeploymentSpec, model: ModelSpec) -> str:
+        if spec.source:
+            return spec.source
+        if model.name == _TINY:
+            # The tiny model is generated, never downloaded: deterministic, so every node gets the
+            # same bytes (and the same manifest digest in the cache).
+            from controlplane.tinymodel import generate_tiny_model
+
+            src = self.settings.resolved_model_cache / "_generated" / _TINY
+            if not (src / "SHA256SUMS").is_file():
+                self._say("weights", f"weights: generating {_TINY}")
+                generate_tiny_model(src)
+            return str(src)
+        raise WeightsError(
+            f"no weights source for model {model.name}",
+            hint="pass --source DIR or an http(s)/s3 URL of a directory with a SHA256SUMS manifest",
+        )
+
+    def _plan(self, spec: DeploymentSpec, model: ModelSpec) -> Plan:
+        placed = [r for r in self.store.list_replicas() if r.deployment != spec.name]
+        plan = self.planner(self.fleet, spec, model, placed)
+        if plan.unplaced or len(plan.replicas) < spec.replicas:
+            reasons = "; ".join(plan.reasons) or "no node can hold it"
+            raise PlacementError(
+                f"cannot place {spec.replicas} replica(s) of {model.name} with tp={spec.tp}: {reasons}"
+            )
+        return plan
+
+    # --- deploy
+
+    def deploy(
+        self, spec: DeploymentSpec, *, wait: bool = True, timeout: float = 600.0, port: int | None = None
+    ) -> DeployResult:
+        """Bring ``spec`` to running. Idempotent; on any failure everything this call did is undone."""
+        check_engine_args(spec)
+        model = self.catalog.get(spec.model)
+        previous = self.store.get_deployment(spec.name)
+        if previous is not None and previous.spec != spec:
+            changed = sorted(
+                k for k, v in spec.model_dump().items() if previous.spec.model_dump().get(k) != v
+            )
+            raise UserError(
+                f"deployment {spec.name} already exists with different {', '.join(changed)}",
+                hint=f"run `llmctl undeploy {spec.name}` first, or pick another --name",
+            )
+        if previous is not None:
+            current = self.refresh(spec.name)
+            healthy = {
+                r.index
+                for r in current
+                if r.state in {ReplicaState.READY, ReplicaState.STARTING}
+                and (wait is False or r.state is ReplicaState.READY)
+            }
+            if len(healthy) >= spec.replicas:
+                return DeployResult(deployment=spec.name, changed=False, replicas=current)
+            plan = previous.plan
+            # Replace only what is not running; running replicas are left alone.
+            broken = [r for r in current if r.index not in healthy]
+            for rec in broken:
+                self._stop_and_forget(rec)
+            todo = [i for i in range(spec.replicas) if i not in healthy]
+            record = previous
+        else:
+            plan = self._plan(spec, model)
+            now = self.clock()
+            record = DeploymentRecord(spec=spec, plan=plan, created_at=now, updated_at=now)
+            todo = list(range(spec.replicas))
+
+        self.store.put_deployment(record)  # desired state first: a crash from here on is visible
+        launched: list[_Launched] = []
+        try:
+            self._launch_all(spec, model=model, plan=plan, todo=todo, port=port, launched=launched)
+            if wait:
+                self._await_ready(spec, launched, timeout)
+        except BaseException as exc:
+            self._rollback(spec, previous, launched)
+            if isinstance(exc, SarvError) and not isinstance(exc, LaunchError):
+                raise
+            if isinstance(exc, LaunchError):
+                raise type(exc)(f"{exc.message}; the deploy was rolled back", hint=exc.hint) from None
+            if isinstance(exc, KeyboardInterrupt):
+                raise LaunchError(f"deploy of {spec.name} interrupted; the deploy was rolled back") from None
+            raise
+        replicas = self.store.list_replicas(spec.name)
+        return DeployResult(deployment=spec.name, changed=True, replicas=replicas, notes=list(plan.notes))
+
+    def _launch_all(
+        self,
+        spec: DeploymentSpec,
+        *,
+        model: ModelSpec,
+        plan: Plan,
+        todo: list[int],
+        port: int | None,
+        launched: list[_Launched],
+    ) -> None:
+        engine = self.engines.get(spec.engine)
+        if engine is None:
+            raise LaunchError(f"engine {spec.engine.value} is not available in this build")
+        weights: dict[str, str] = {}
+        for index in todo:
+            rplan: ReplicaPlan = plan.replicas[index]
+            shard0 = min(rplan.shards, key=lambda s: s.pp_rank)
+            launcher = self._launcher(shard0.node)
+            model_dir = None
+            if engine.needs_weights:
+                if shard0.node not in weights:
+                    source = self._model_source(spec, model)
+                    self._say("weights", f"weights: verifying {model.name} on {shard0.node}")
+                    path = launcher.ensure_weights(
+                        source,
+                        model.name,
+                        policy=_policy(spec),
+                        progress=lambda text: self._say("weights", text),
+                    )
+                    weights[shard0.node] = str(path)
+                    self._say("weights", f"weights: {model.name} verified on {shard0.node}")
+                model_dir = weights[shard0.node]
+            replica_id = f"{spec.name}-{index}"
+            chosen = launcher.allocate_port(port + index if port is not None else None)
+            ctx = ReplicaContext(
+                replica_id=replica_id,
+                spec=spec,
+                served_model_name=spec.name,
+                model_dir=model_dir,
+                host=launcher.host,
+                port=chosen,
+                shards=rplan.shards,
+                gpu_ids=self._gpu_ids(shard0),
+                api_key=self.api_key,
+                python=self.python,
+                max_model_len=spec.max_model_len or model.max_model_len,
+            )
+            launch = engine.build(ctx)
+            now = self.clock()
+            rec = ReplicaRecord(
+                id=replica_id,
+                deployment=spec.name,
+                index=index,
+                model=spec.name,
+                engine=spec.engine,
+                shards=rplan.shards,
+                node=shard0.node,
+                endpoint=f"http://{launcher.host}:{chosen}",
+                state=ReplicaState.STARTING,
+                adapters=lora_adapter_names(spec),
+                created_at=now,
+                updated_at=now,
+            )
+            self._say(replica_id, f"{replica_id}: starting {spec.engine.value} on {shard0.node}:{chosen}")
+            rec.handle = launcher.start(replica_id, launch)
+            launched.append(_Launched(rec, launcher, launch.ready_path))
+            self.store.put_replica(rec)
+
+    def _gpu_ids(self, shard: Shard) -> list[str]:
+        try:
+            node = self.fleet.node(shard.node)
+        except KeyError:
+            return [str(i) for i in shard.gpus]
+        by_index = {g.index: g.uuid for g in node.gpus}
+        return [by_index.get(i) or str(i) for i in shard.gpus]
+
+    def _await_ready(self, spec: DeploymentSpec, launched: list[_Launched], timeout: float) -> None:
+        deadline = self.clock() + timeout
+        pending = list(launched)
+        started = self.clock()
+        while pending:
+            for item in list(pending):
+                rec = item.record
+                proc = item.launcher.poll(rec.handle)
+                if proc.state is not ProcessState.RUNNING:
+                    tail = [ln for ln in item.launcher.logs(rec.handle, tail=40) if ln.strip()]
+                    last = _last_error(tail)
+                    code = f" with code {proc.exit_code}" if proc.exit_code is not None else ""
+                    log = rec.handle.get("log", "")
+                    raise LaunchError(
+                        f"replica {rec.id} exited{code} during start-up: {last}",
+                        hint=f"full log: {log}" if log else None,
+                    )
+                if _http_ready(f"{rec.endpoint}{item.ready_path}", self.api_key):
+                    rec.state = ReplicaState.READY
+                    rec.updated_at = self.clock()
+                    rec.message = ""
+                    self.store.put_replica(rec)
+                    pending.remove(item)
+                    self._say(rec.id, f"{rec.id}: ready at {rec.endpoint}")
+                else:
+                    waited = int(self.clock() - started)
+                    self._say(rec.id, f"{rec.id}: waiting for {spec.engine.value} to load ({waited}s)")
+            if not pending:
+                return
+            if self.clock() > deadline:
+                ids = ", ".join(i.record.id for i in pending)
+                raise LaunchError(
+                    f"{ids} not ready after {timeout:.0f}s",
+                    hint="raise --timeout, or read `llmctl logs REPLICA`",
+                )
+            self.sleep(1.0)
+
+    def _stop_and_forget(self, rec: ReplicaRecord) -> None:
+        launcher = self._launcher_for_record(rec)
+        if launcher is not None and rec.handle:
+            launcher.stop(rec.handle)
+        self.store.delete_replica(rec.id)
+
+    def _rollback(
+        self, spec: DeploymentSpec, previous: DeploymentRecord | None, launched: list[_Launched]
+    ) -> None:
+        """Stop what this deploy started and restore the desired state as it was before."""
+        errors: list[str] = []
+        for item in reversed(launched):
+            try:
+                item.launcher.stop(item.record.handle)
+            except SarvError as exc:
+                errors.append(str(exc))
+            self.store.delete_replica(item.record.id)
+        if previous is None:
+            self.store.delete_deployment(spec.name)
+        else:
+            self.store.put_deployment(previous)
+        if errors:
+            raise LaunchError(f"rollback of {spec.name} incomplete: {'; '.join(errors)}")
+
+    # --- observe, undeploy, logs
+
+    def refresh(self, deployment: str | None = None) -> list[ReplicaRecord]:
+        """Update replicas' observed state from their processes and health endpoints; return them."""
+        out: list[ReplicaRecord] = []
+        for rec in self.store.list_replicas(deployment):
+            launcher = self._launcher_for_record(rec)
+            if launcher is None or rec.state is ReplicaState.STOPPING:
+                out.append(rec)
+                continue
+            proc = launcher.poll(rec.handle) if rec.handle else None
+            new_state, message = rec.state, rec.message
+            if proc is None or proc.state is not ProcessState.RUNNING:
+                new_state = ReplicaState.FAILED
+                code = f" (exit code {proc.exit_code})" if proc and proc.exit_code is not None else ""
+                message = f"process {rec.handle.get('pid', '?')} is not running{code}"
+            elif rec.endpoint and _http_ready(f"{rec.endpoint}/health", self.api_key):
+                new_state, message = ReplicaState.READY, ""
+            elif rec.state is ReplicaState.READY:
+                new_state, message = ReplicaState.UNHEALTHY, "health check failed"
+            if (new_state, message) != (rec.state, rec.message):
+                rec.state, rec.message, rec.updated_at = new_state, message, self.clock()
+                self.store.put_replica(rec)
+            out.append(rec)
+        return out
+
+    def undeploy(self, name: str) -> list[str]:
+        """Stop every replica of ``name`` and remove it from the state; returns the replica ids stopped."""
+        record = self.store.get_deployment(name)
+        replicas = self.store.list_replicas(name)
+        if record is None and not replicas:
+            known = ", ".join(d.name for d in self.store.list_deployments()) or "none"
+            raise NotFoundError(f"no deployment named {name!r} (deployments: {known})")
+        stopped: list[str] = []
+        for rec in replicas:
+            launcher = self._launcher_for_record(rec)
+            if launcher is None and rec.handle:
+                raise LaunchError(
+                    f"replica {rec.id} runs on {rec.handle.get('host', rec.node)}, out of this host's reach",
+                    hint="run `llmctl undeploy` there",
+                )
+            rec.state, rec.updated_at = ReplicaState.STOPPING, self.clock()
+            self.store.put_replica(rec)
+            self._say(rec.id, f"{rec.id}: stopping")
+            if launcher is not None and rec.handle:
+                launcher.stop(rec.handle)
+            self.store.delete_replica(rec.id)
+            stopped.append(rec.id)
+        self.store.delete_deployment(name)
+        return stopped
+
+    def logs(self, replica_id: str, *, follow: bool = False, tail: int = 200) -> Iterator[str]:
+        rec = self.store.get_replica(replica_id)
+        if rec is None:
+            known = ", ".join(r.id for r in self.store.list_replicas()) or "none"
+            raise NotFoundError(f"no replica named {replica_id!r} (replicas: {known})")
+        launcher = self._launcher_for_record(rec)
+        if launcher is None:
+            raise LaunchError(f"replica {rec.id} runs on {rec.node}; read its log there")
+        return launcher.logs(rec.handle, follow=follow, tail=tail)
+
+
+def _last_error(lines: list[str]) -> str:
+    """The most telling line of a start-up log: the last error-looking line, else the last line."""
+    for line in reversed(lines):
+        low = line.lower()
+        if "error" in low or "exception" in low or "failed" in low:
+            return line.strip()[:300]
+    return lines[-1].strip()[:300] if lines else "no output"

@@ -1,0 +1,49 @@
+"""The ``sim`` engine: Sarv's vLLM-compatible simulator (``controlplane.engines.sim``) as a process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from controlplane.engines.base import SARV_ENGINE_ARGS, EngineLaunch, ReplicaContext
+from controlplane.spec import EngineKind
+
+__all__ = ["SimEngine"]
+
+
+@dataclass(frozen=True)
+class SimEngine:
+    """Runs the simulator with the deployment's name and options; used only where ``sim`` was asked for."""
+
+    kind: EngineKind = EngineKind.SIM
+    needs_weights: bool = False
+
+    def build(self, ctx: ReplicaContext) -> EngineLaunch:
+        argv = [
+            ctx.python,
+            "-m",
+            "controlplane.engines.sim",
+            "--host",
+            ctx.host,
+            "--port",
+            str(ctx.port),
+            "--served-model-name",
+            ctx.served_model_name,
+        ]
+        # Only an explicit --max-model-len: catalog defaults (128k …) exceed the simulator's KV size.
+        if ctx.spec.max_model_len:
+            argv += ["--max-model-len", str(ctx.spec.max_model_len)]
+        if ctx.model_dir is not None:
+            argv += ["--model", str(ctx.model_dir)]
+        # Simulator options (failure injection, latency profile …) pass through as --kebab-case flags.
+        for key, value in sorted(ctx.spec.engine_args.items()):
+            if key in SARV_ENGINE_ARGS:
+                continue
+            flag = "--" + key.replace("_", "-")
+            if key == "lora_modules":
+                argv += [flag, *[m.strip() for m in str(value).split(",") if m.strip()]]
+            elif isinstance(value, bool):
+                argv.append(flag if value else "--no-" + key.replace("_", "-"))
+            else:
+                argv += [flag, str(value)]
+        secret_env = {"VLLM_API_KEY": ctx.api_key} if ctx.api_key is not None else {}
+        return EngineLaunch(argv=argv, env={"SARV_SIM": "1"}, secret_env=secret_env, port=ctx.port)
