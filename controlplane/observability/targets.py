@@ -1,0 +1,130 @@
+"""Prometheus ``file_sd`` target files (JSON) from :class:`~controlplane.spec.ReplicaRecord` lists.
+
+Prometheus watches the file and picks up changes itself (no reload), so the controller only has to
+rewrite it whenever replicas change. Writes are atomic (temporary file, fsync, rename in the same
+directory): Prometheus must never read a half-written file, or it drops every target in it until the next
+change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from controlplane.errors import ConfigError, StateError
+from controlplane.spec import ReplicaRecord, ReplicaState
+
+__all__ = [
+    "SCRAPED_STATES",
+    "TargetGroup",
+    "replica_target_groups",
+    "write_file_sd",
+    "write_replica_targets",
+]
+
+SCRAPED_STATES = frozenset({ReplicaState.STARTING, ReplicaState.READY, ReplicaState.UNHEALTHY})
+"""States whose replicas have a listening engine worth scraping; unhealthy ones stay to show why."""
+
+_LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+class TargetGroup(BaseModel):
+    """One entry of a ``file_sd`` file: ``{"targets": ["host:port"], "labels": {…}}``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    targets: list[str] = Field(min_length=1)
+    """``host:port`` addresses (no scheme, no path: those are ``__scheme__``/``__metrics_path__``)."""
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("labels")
+    @classmethod
+    def _label_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for name in v:
+            if not _LABEL_RE.match(name):
+                raise ValueError(f"{name!r} is not a Prometheus label name ([a-zA-Z_][a-zA-Z0-9_]*)")
+        return v
+
+
+def _target(replica: ReplicaRecord) -> tuple[str, dict[str, str]] | None:
+    if replica.endpoint is None or replica.state not in SCRAPED_STATES:
+        return None
+    url = urlsplit(replica.endpoint)
+    if url.scheme not in {"http", "https"} or not url.hostname:
+        raise StateError(
+            f"replica {replica.id} has endpoint {replica.endpoint!r}, not an http(s) URL",
+            hint="the stored replica record is inconsistent; redeploy it to record a base URL",
+        )
+    port = url.port or (443 if url.scheme == "https" else 80)
+    host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname
+    meta: dict[str, str] = {}
+    if url.scheme == "https":
+        meta["__scheme__"] = "https"
+    # vLLM serves /metrics at the root even when the API lives under a prefix.
+    return f"{host}:{port}", meta
+
+
+def replica_target_groups(replicas: Iterable[ReplicaRecord]) -> list[TargetGroup]:
+    """One target group per scrapeable replica, sorted by replica id so the file is stable.
+
+    Labels avoid vLLM's own series labels (``model_name``, ``engine``): a target label with the same name
+    would rename the scraped one to ``exported_*``.
+    """
+    groups: list[TargetGroup] = []
+    for replica in sorted(replicas, key=lambda r: r.id):
+        found = _target(replica)
+        if found is None:
+            continue
+        address, meta = found
+        labels = {
+            "deployment": replica.deployment,
+            "replica": replica.id,
+            "model": replica.model,
+            "node": replica.node,
+            "engine_kind": replica.engine.value,
+            **meta,
+        }
+        groups.append(TargetGroup(targets=[address], labels=labels))
+    return groups
+
+
+def write_file_sd(path: Path, groups: Sequence[TargetGroup]) -> bool:
+    """Write ``groups`` to ``path`` atomically; returns False (and leaves the file alone) if unchanged."""
+    text = json.dumps([g.model_dump() for g in groups], indent=2, sort_keys=True) + "\n"
+    try:
+        if path.is_file() and path.read_text(encoding="utf-8") == text:
+            return False
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write Prometheus targets {path}: {exc.strerror}",
+            hint="point the target file at a directory this user can write",
+        ) from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        # Prometheus usually runs as its own user: the file must be readable by it (targets hold no secrets).
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise ConfigError(
+            f"cannot write Prometheus targets {path}: {exc.strerror}",
+            hint="check free space and permissions of the target directory",
+        ) from None
+    return True
+
+
+def write_replica_targets(path: Path, replicas: Iterable[ReplicaRecord]) -> bool:
+    """:func:`replica_target_groups` then :func:`write_file_sd`."""
+    return write_file_sd(path, replica_target_groups(replicas))
