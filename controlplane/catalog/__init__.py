@@ -1,0 +1,32 @@
+"""Model catalog and memory estimator: ``Catalog.load(extra).get(name) -> ModelSpec``, ``estimate(...)``."""
+
+from controlplane.catalog._catalog import Catalog, CatalogEntry, CatalogFile, spec_from_hf_config
+from controlplane.catalog._memory import (
+    ACTIVATION_TOKENS,
+    CUDA_GRAPH_MIB,
+    KV_BLOCK_TOKENS,
+    NCCL_MIB,
+    NON_TORCH_MIB,
+    MemoryEstimate,
+    count_params,
+    estimate,
+    kv_bytes_per_token,
+    weight_bytes_per_param,
+)
+
+__all__ = [
+    "ACTIVATION_TOKENS",
+    "CUDA_GRAPH_MIB",
+    "KV_BLOCK_TOKENS",
+    "NCCL_MIB",
+    "NON_TORCH_MIB",
+    "Catalog",
+    "CatalogEntry",
+    "CatalogFile",
+    "MemoryEstimate",
+    "count_params",
+    "estimate",
+    "kv_bytes_per_token",
+    "spec_from_hf_config",
+    "weight_bytes_per_param",
+]

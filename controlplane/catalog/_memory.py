@@ -1,0 +1,244 @@
+"""Per-GPU memory estimate of one replica split tp × pp: weights + overhead + KV cache against the budget."""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from controlplane.errors import UserError
+from controlplane.spec import DTYPE_BYTES, Dtype, ModelSpec, Quantization
+
+__all__ = [
+    "ACTIVATION_TOKENS",
+    "CUDA_GRAPH_MIB",
+    "KV_BLOCK_TOKENS",
+    "NCCL_MIB",
+    "NON_TORCH_MIB",
+    "MemoryEstimate",
+    "count_params",
+    "estimate",
+    "kv_bytes_per_token",
+    "weight_bytes_per_param",
+]
+
+MIB = 1 << 20
+
+KV_BLOCK_TOKENS = 16
+"""vLLM allocates KV cache in blocks of 16 tokens, so a sequence occupies whole blocks."""
+ACTIVATION_TOKENS = 8192
+"""Tokens of vLLM's profiling forward pass (its default ``max_num_batched_tokens`` for the API server)."""
+NON_TORCH_MIB = 256.0
+"""CUDA context, cuBLAS workspace and allocator slack that vLLM reports as non-torch memory."""
+NCCL_MIB = 512.0
+"""NCCL and custom all-reduce buffers, only when a replica spans more than one GPU."""
+CUDA_GRAPH_MIB = 512.0
+"""CUDA graphs captured after profiling (vLLM logs ~0.3-0.6 GiB); taken from the same budget."""
+
+# Activation peak of the profiling pass, in elements per token: the MLP's gate/up output and its
+# activation (≈ 4 × intermediate per GPU) plus residual, attention and norm buffers (≈ 6 × hidden).
+# Calibrated on vLLM's log for Llama-3-8B (activation peak ≈ 1.22 GiB at 8,192 tokens).
+_ACT_PER_INTERMEDIATE = 4
+_ACT_PER_HIDDEN = 6
+
+# 4-bit AWQ/GPTQ store an fp16 scale and a 4-bit zero point per group of 128 weights.
+_INT4_BYTES = 0.5 + 2.5 / 128
+
+
+def weight_bytes_per_param(quantization: Quantization, dtype: Dtype) -> float:
+    """Bytes per weight of the quantized (linear) layers; embeddings and norms keep ``dtype``."""
+    if quantization is Quantization.AUTO:
+        raise UserError(
+            "quantization 'auto' has no size of its own; pick a variant (none, fp8, int8, awq, gptq)"
+        )
+    if quantization is Quantization.NONE:
+        return DTYPE_BYTES[dtype]
+    if quantization in (Quantization.FP8, Quantization.INT8):
+        return 1.0
+    return _INT4_BYTES
+
+
+def _kv_dtype_bytes(kv_cache_dtype: str, dtype: Dtype) -> float:
+    if kv_cache_dtype == "auto":
+        return DTYPE_BYTES[dtype]
+    if kv_cache_dtype.startswith("fp8"):
+        return 1.0
+    if kv_cache_dtype in ("bfloat16", "float16", "half"):
+        return 2.0
+    if kv_cache_dtype == "float32":
+        return 4.0
+    raise UserError(
+        f"unknown kv_cache_dtype {kv_cache_dtype!r}; use auto, fp8, fp8_e4m3, fp8_e5m2 or bfloat16"
+    )
+
+
+def kv_bytes_per_token(
+    model: ModelSpec, *, dtype: Dtype = Dtype.BF16, kv_cache_dtype: str = "auto", tp: int = 1, pp: int = 1
+) -> int:
+    """KV cache bytes one token occupies on one GPU of a tp × pp replica (tp = pp = 1: the whole model).
+
+    2 (K and V) × layers × kv_heads × head_dim × bytes. TP splits the KV heads, and replicates them when
+    tp > kv_heads (each GPU keeps at least one); PP splits the layers (the largest stage counts).
+    """
+    layers = math.ceil(model.num_layers / pp)
+    kv_heads = max(1, model.num_kv_heads // tp)
+    return int(2 * layers * kv_heads * model.head_dim * _kv_dtype_bytes(kv_cache_dtype, dtype))
+
+
+def count_params(model: ModelSpec) -> int:
+    """Parameters implied by the architecture numbers (llama-style blocks, all experts counted)."""
+    h, i = model.hidden_size, model.intermediate_size
+    attn = h * model.num_attention_heads * model.head_dim * 2 + h * model.num_kv_heads * model.head_dim * 2
+    mlp = 3 * h * i * model.num_experts + (h * model.num_experts if model.num_experts > 1 else 0)
+    per_layer = attn + mlp + 2 * h
+    embeddings = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
+    return model.num_layers * per_layer + embeddings + h
+
+
+class MemoryEstimate(BaseModel):
+    """What one GPU of a replica needs, in MiB, and how many max_model_len sequences its KV cache holds."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    gpu_model: str
+    gpu_memory_mib: int = Field(gt=0)
+    tp: int = Field(ge=1)
+    pp: int = Field(ge=1)
+    quantization: Quantization
+    max_model_len: int = Field(ge=1)
+    concurrency: int = Field(ge=1)
+    """Target number of max_model_len sequences held at once."""
+    gpu_memory_utilization: float
+    activation_tokens: int = ACTIVATION_TOKENS
+    """Tokens of the profiling pass (``max_num_batched_tokens``)."""
+    weights_mib: float
+    """This GPU's share of the weights (largest pipeline stage, split by tp)."""
+    activation_mib: float
+    cuda_graph_mib: float
+    non_torch_mib: float
+    kv_bytes_per_token: int
+    """Whole model, one token."""
+    kv_bytes_per_token_per_gpu: int
+    kv_per_sequence_mib: float
+    """One max_model_len sequence on this GPU, rounded up to whole 16-token blocks."""
+
+    @property
+    def budget_mib(self) -> float:
+        """What vLLM may use: gpu_memory_utilization × total memory."""
+        return self.gpu_memory_utilization * self.gpu_memory_mib
+
+    @property
+    def overhead_mib(self) -> float:
+        return self.activation_mib + self.cuda_graph_mib + self.non_torch_mib
+
+    @property
+    def kv_budget_mib(self) -> float:
+        return self.budget_mib - self.weights_mib - self.overhead_mib
+
+    @property
+    def max_concurrency(self) -> int:
+        """Max_model_len sequences the KV cache holds at once (0: not even one fits)."""
+        if self.kv_budget_mib <= 0:
+            return 0
+        return int(self.kv_budget_mib // self.kv_per_sequence_mib)
+
+    @property
+    def required_mib(self) -> float:
+        """Weights + overhead + KV for ``concurrency`` sequences: the hard fit compares this to the budget."""
+        return self.weights_mib + self.overhead_mib + self.concurrency * self.kv_per_sequence_mib
+
+    @property
+    def fits(self) -> bool:
+        return self.required_mib <= self.budget_mib
+
+    def explain(self) -> list[str]:
+        """The arithmetic, one line per step, for ``llmctl plan --explain``."""
+        kv_tok = self.kv_bytes_per_token
+        return [
+            f"{self.model} tp={self.tp} pp={self.pp} quantization={self.quantization.value} on "
+            f"{self.gpu_model} ({self.gpu_memory_mib / 1024:.1f} GiB):",
+            f"  weights per GPU      {self.weights_mib / 1024:8.2f} GiB  "
+            f"(largest stage of {self.pp}, split by tp={self.tp})",
+            f"  activation peak      {self.activation_mib / 1024:8.2f} GiB  "
+            f"(profiling pass of {self.activation_tokens} tokens)",
+            f"  CUDA graphs          {self.cuda_graph_mib / 1024:8.2f} GiB",
+            f"  non-torch / NCCL     {self.non_torch_mib / 1024:8.2f} GiB",
+            f"  KV bytes per token   {kv_tok:,} B = 2 × layers × kv_heads × head_dim × bytes (whole model); "
+            f"{self.kv_bytes_per_token_per_gpu:,} B on this GPU",
+            f"  KV per sequence      {self.kv_per_sequence_mib / 1024:8.2f} GiB  "
+            f"({self.kv_bytes_per_token_per_gpu:,} B × {self.max_model_len} tokens)",
+            f"  budget               {self.budget_mib / 1024:8.2f} GiB  "
+            f"(gpu_memory_utilization {self.gpu_memory_utilization:.2f} × "
+            f"{self.gpu_memory_mib / 1024:.1f} GiB)",
+            f"  needed for {self.concurrency} seq     {self.required_mib / 1024:8.2f} GiB  "
+            f"= weights + overhead {self.overhead_mib / 1024:.2f} + {self.concurrency} × KV per sequence"
+            f" -> {'fits' if self.fits else 'does NOT fit'}",
+            f"  KV room              {max(0.0, self.kv_budget_mib) / 1024:8.2f} GiB  "
+            f"-> max concurrency {self.max_concurrency} sequences of {self.max_model_len} tokens",
+        ]
+
+
+def estimate(
+    model: ModelSpec,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    gpu_memory_mib: int,
+    gpu_model: str = "GPU",
+    quantization: Quantization = Quantization.NONE,
+    dtype: Dtype = Dtype.BF16,
+    kv_cache_dtype: str = "auto",
+    max_model_len: int | None = None,
+    concurrency: int = 1,
+    gpu_memory_utilization: float = 0.9,
+    max_num_batched_tokens: int | None = None,
+) -> MemoryEstimate:
+    """Memory one GPU of a ``tp`` × ``pp`` replica of ``model`` needs on a GPU of ``gpu_memory_mib``."""
+    if tp < 1 or pp < 1:
+        raise UserError(f"tp ({tp}) and pp ({pp}) must be at least 1")
+    if pp > model.num_layers:
+        raise UserError(
+            f"pp={pp} exceeds {model.name}'s {model.num_layers} layers; use pp ≤ {model.num_layers}"
+        )
+    length = max_model_len or model.max_model_len
+    h = model.hidden_size
+    embed_params = model.vocab_size * h
+    heads_params = embed_params * (1 if model.tie_word_embeddings else 2)
+    layer_params = (model.num_params - heads_params) / model.num_layers
+    wbytes = weight_bytes_per_param(quantization, dtype)
+    ebytes = DTYPE_BYTES[dtype]
+    # vLLM gives the embedding to the first stage and the LM head to the last; with pp == 1 one GPU
+    # holds both. The largest stage has ceil(layers / pp) layers plus one of them.
+    if pp == 1:
+        stage_bytes = model.num_layers * layer_params * wbytes + heads_params * ebytes
+    else:
+        stage_bytes = math.ceil(model.num_layers / pp) * layer_params * wbytes + embed_params * ebytes
+    weights_mib = stage_bytes / tp / MIB
+
+    tokens = max_num_batched_tokens or ACTIVATION_TOKENS
+    intermediate = model.intermediate_size * model.experts_per_token / tp
+    activation_mib = tokens * (_ACT_PER_INTERMEDIATE * intermediate + _ACT_PER_HIDDEN * h) * ebytes / MIB
+    non_torch = NON_TORCH_MIB + (NCCL_MIB if tp * pp > 1 else 0.0)
+
+    kv_tok_gpu = kv_bytes_per_token(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, tp=tp, pp=pp)
+    blocks = math.ceil(length / KV_BLOCK_TOKENS)
+    return MemoryEstimate(
+        model=model.name,
+        gpu_model=gpu_model,
+        gpu_memory_mib=gpu_memory_mib,
+        tp=tp,
+        pp=pp,
+        quantization=quantization,
+        max_model_len=length,
+        concurrency=concurrency,
+        gpu_memory_utilization=gpu_memory_utilization,
+        weights_mib=weights_mib,
+        activation_tokens=tokens,
+        activation_mib=activation_mib,
+        cuda_graph_mib=CUDA_GRAPH_MIB,
+        non_torch_mib=non_torch,
+        kv_bytes_per_token=kv_bytes_per_token(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype),
+        kv_bytes_per_token_per_gpu=kv_tok_gpu,
+        kv_per_sequence_mib=blocks * KV_BLOCK_TOKENS * kv_tok_gpu / MIB,
+    )

@@ -1,0 +1,598 @@
+"""The placement planner: per replica, layouts (pp; one node or across) → filters → candidates → scores."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from controlplane.catalog import MemoryEstimate, estimate
+from controlplane.errors import UserError
+from controlplane.placement._index import LINK_NAMES, NVLINK, FleetIndex, GpuType, Slot
+from controlplane.placement._pipeline import (
+    Candidate,
+    PlacementContext,
+    Scorer,
+    SlotFilter,
+    default_filters,
+    default_scorers,
+    gib,
+)
+from controlplane.spec import (
+    DeploymentSpec,
+    EngineKind,
+    Fleet,
+    ModelSpec,
+    Plan,
+    Quantization,
+    ReplicaPlan,
+    Shard,
+    Strategy,
+)
+
+__all__ = ["CPU_ENGINES", "PlacementRequest", "Planner", "plan", "plan_cpu", "plan_many", "plan_to_json"]
+
+CPU_ENGINES = frozenset({EngineKind.SIM, EngineKind.VLLM_CPU})
+"""Engines that run without GPUs; their replicas get :func:`plan_cpu` placements."""
+
+WINDOW = 8
+"""Nodes per GPU type that are scored for each replica, taken in strategy order (fullest first for
+binpack). Scoring every node would make a 1,000-node plan quadratic; the strategy order already puts
+the best packing choices first and the window leaves room for topology and anti-affinity to decide."""
+
+MAX_REASON_LINES = 25
+"""Per-node refusal lines kept in a plan; the rest are counted."""
+
+
+class PlacementRequest(BaseModel):
+    """One deployment to place with :func:`plan_many`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    spec: DeploymentSpec
+    model: ModelSpec
+    avoid_nodes: list[str] = Field(default_factory=list)
+    """Nodes that already run replicas of this deployment (soft anti-affinity)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """One deployment at one quantization: what every memory question of the planner is about."""
+
+    spec: DeploymentSpec
+    model: ModelSpec
+    length: int
+    quant: Quantization
+
+
+@dataclass(slots=True)
+class _Attempt:
+    quantization: Quantization
+    replicas: list[ReplicaPlan] = field(default_factory=list)
+    unplaced: int = 0
+    reasons: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _check_request(spec: DeploymentSpec, model: ModelSpec) -> int:
+    """Refuse input that can never work (exit 2) and return the max_model_len to plan for."""
+    heads, kv = model.num_attention_heads, model.num_kv_heads
+    tp = spec.tp
+    if heads % tp:
+        valid = [d for d in range(1, min(heads, 64) + 1) if heads % d == 0 and (kv % d == 0 or d % kv == 0)]
+        raise UserError(f"tp={tp} does not divide {model.name}'s {heads} attention heads; use tp in {valid}")
+    if kv % tp and tp % kv:
+        raise UserError(
+            f"tp={tp} and {model.name}'s {kv} KV heads do not divide one another (vLLM needs one to divide "
+            f"the other); use a tp that divides {kv} or a multiple of it"
+        )
+    if spec.pp is not None and spec.pp > model.num_layers:
+        raise UserError(
+            f"pp={spec.pp} exceeds {model.name}'s {model.num_layers} layers; use pp ≤ {model.num_layers}"
+        )
+    length = spec.max_model_len or model.max_model_len
+    if length > model.max_model_len:
+        raise UserError(
+            f"max_model_len {length} exceeds {model.name}'s context of {model.max_model_len} tokens; "
+            f"use --max-model-len ≤ {model.max_model_len}"
+        )
+    if spec.quantization is not Quantization.AUTO and spec.quantization not in model.quantizations:
+        have = ", ".join(q.value for q in model.quantizations)
+        raise UserError(
+            f"{model.name} has no {spec.quantization.value} variant in the catalog; "
+            f"use one of: {have} or auto"
+        )
+    return length
+
+
+class Planner:
+    """Places deployments one after another on one view of the fleet (what one places, the next sees).
+
+    Pure: it reads the fleet and the already placed shards it is given and returns plans; it never
+    does I/O. ``filters`` and ``scorers`` replace the built-in pipeline stages.
+    """
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        placed: Sequence[Shard] = (),
+        *,
+        utilization: float = 0.9,
+        filters: Sequence[SlotFilter] | None = None,
+        scorers: Sequence[Scorer] | None = None,
+        window: int = WINDOW,
+    ) -> None:
+        self.fleet = fleet
+        self.index = FleetIndex(fleet, placed, utilization=utilization)
+        self.filters = list(filters) if filters is not None else default_filters()
+        self._scorers = list(scorers) if scorers is not None else None
+        self.window = window
+        self._estimates: dict[tuple[object, ...], MemoryEstimate] = {}
+        self._pp_mins: dict[tuple[object, ...], int | None] = {}
+        self._largest_node = max((s.size for s in self.index.slots), default=0)
+
+    # --- public
+
+    def plan(
+        self,
+        spec: DeploymentSpec,
+        model: ModelSpec,
+        *,
+        avoid_nodes: Collection[str] = (),
+        explain: bool = False,
+    ) -> Plan:
+        """Place every replica of ``spec``; what is placed stays taken for later calls on this planner."""
+        length = _check_request(spec, model)
+        if spec.quantization is Quantization.AUTO:
+            attempt = self._plan_auto(spec, model, length, avoid_nodes)
+        else:
+            attempt = self._place_all(_Job(spec, model, length, spec.quantization), avoid_nodes)
+        notes = attempt.notes
+        if explain and not attempt.unplaced:  # when unplaced, the reasons already go node by node
+            job = _Job(spec, model, length, attempt.quantization)
+            notes = [*notes, *(f"not chosen: {line}" for line in self._node_reasons(job)[:MAX_REASON_LINES])]
+        return Plan(
+            model=model.name,
+            deployment=spec.name,
+            replicas=attempt.replicas,
+            unplaced=attempt.unplaced,
+            reasons=attempt.reasons,
+            notes=notes,
+        )
+
+    def min_gpus(self, spec: DeploymentSpec, model: ModelSpec) -> int:
+        """Fewest GPUs one replica needs on any GPU type of the fleet (0 when none can hold it)."""
+        length = spec.max_model_len or model.max_model_len
+        quants = model.quantizations if spec.quantization is Quantization.AUTO else [spec.quantization]
+        best = 0
+        for quant in quants:
+            job = _Job(spec, model, length, quant)
+            for gpu_type in self.index.gpu_types():
+                pp = spec.pp or self._pp_min(job, gpu_type)
+                if pp and self._estimate(job, gpu_type, pp).fits:
+                    best = min(best, spec.tp * pp) if best else spec.tp * pp
+        return best
+
+    # --- quantization
+
+    def _plan_auto(
+        self, spec: DeploymentSpec, model: ModelSpec, length: int, avoid: Collection[str]
+    ) -> _Attempt:
+        # Try variants highest precision first on the live index and roll back all but the winner.
+        tried: list[_Attempt] = []
+        for quant in model.quantizations:
+            mark = self.index.mark()
+            attempt = self._place_all(_Job(spec, model, length, quant), avoid)
+            if attempt.unplaced == 0:
+                why = ""
+                if tried:
+                    first = tried[0]
+                    why = f"; {first.quantization.value} placed only {len(first.replicas)} of {spec.replicas}"
+                    if len(first.reasons) > 1:
+                        why += f" ({first.reasons[1]})"
+                attempt.notes.insert(
+                    0,
+                    f"quantization auto: chose {quant.value}, the highest-precision variant that places all "
+                    f"{spec.replicas} replica(s){why}",
+                )
+                return attempt
+            tried.append(attempt)
+            self.index.rollback(mark)
+        # Nothing places everything: keep the variant that places the most (highest precision on ties).
+        best = max(tried, key=lambda a: len(a.replicas))
+        attempt = self._place_all(_Job(spec, model, length, best.quantization), avoid)
+        attempt.notes.insert(
+            0,
+            f"quantization auto: no variant places all {spec.replicas} replica(s); {best.quantization.value} "
+            f"places the most ({len(attempt.replicas)})",
+        )
+        return attempt
+
+    # --- replicas
+
+    def _place_all(self, job: _Job, avoid: Collection[str]) -> _Attempt:
+        spec = job.spec
+        attempt = _Attempt(quantization=job.quant)
+        used: set[str] = set(avoid)
+        layouts_noted: set[tuple[int, bool]] = set()
+        for i in range(spec.replicas):
+            found = self._place_one(job, used)
+            if found is None:
+                attempt.unplaced = spec.replicas - i
+                attempt.reasons = self._why(job, attempt.unplaced)
+                break
+            cand, across = found
+            for slot, gpus in cand.stages:
+                self.index.take(slot, gpus)
+                used.add(slot.name)
+            est = cand.estimate
+            attempt.replicas.append(
+                ReplicaPlan(
+                    tp=est.tp,
+                    pp=est.pp,
+                    quantization=job.quant,
+                    shards=[
+                        Shard(node=slot.name, gpus=list(gpus), pp_rank=rank)
+                        for rank, (slot, gpus) in enumerate(cand.stages)
+                    ],
+                    per_gpu_memory_gib=round(est.required_mib / 1024, 2),
+                    max_concurrency=est.max_concurrency,
+                )
+            )
+            if (est.pp, across) not in layouts_noted:
+                layouts_noted.add((est.pp, across))
+                attempt.notes.append(self._layout_note(job, cand, across=across, replica=i))
+        return attempt
+
+    def _layouts(self, job: _Job) -> list[tuple[int, bool]]:
+        """(pp, across nodes) to try, in order: the user's pp, else one node at the smallest pp that
+        fits and only then across nodes (vLLM's layout: tp GPUs on each of pp nodes), because crossing
+        nodes costs ~20x per all-reduce."""
+        spec, layers, tp = job.spec, job.model.num_layers, job.spec.tp
+        if spec.pp is not None:
+            return [(spec.pp, False)] + ([(spec.pp, True)] if spec.pp > 1 else [])
+        intra = [(pp, False) for pp in range(1, min(layers, self._largest_node // tp) + 1)]
+        most_nodes = max((self.index.count_with_free(t, tp) for t in self.index.gpu_types()), default=0)
+        return intra + [(pp, True) for pp in range(2, min(layers, most_nodes) + 1)]
+
+    def _place_one(self, job: _Job, used: set[str]) -> tuple[Candidate, bool] | None:
+        tp = job.spec.tp
+        if tp > self._largest_node:
+            return None
+        types = self.index.gpu_types()
+        for pp, across_nodes in self._layouts(job):
+            fitting: dict[GpuType, MemoryEstimate] = {}
+            for t in types:
+                if not self._could_fit(job, t, pp):
+                    continue
+                if across_nodes:
+                    if self.index.count_with_free(t, tp) < pp:
+                        continue
+                elif self.index.largest_free(t) < tp * pp:
+                    continue
+                fitting[t] = self._estimate(job, t, pp)
+            if not fitting:
+                continue
+            ctx = PlacementContext(job.spec, job.model, tp, pp, across_nodes, fitting, used)
+            best = self._best_candidate(ctx)
+            if best is not None:
+                return best, across_nodes
+        return None
+
+    def _could_fit(self, job: _Job, t: GpuType, pp: int) -> bool:
+        pp_min = self._pp_min(job, t)
+        return pp_min is not None and pp >= pp_min and self._estimate(job, t, pp).fits
+
+    def _best_candidate(self, ctx: PlacementContext) -> Candidate | None:
+        scorers = self._scorers if self._scorers is not None else default_scorers(ctx.spec.strategy)
+        total_weight = sum(s.weight for s in scorers) or 1.0
+        best: Candidate | None = None
+        best_score = -1.0
+        for gpu_type in sorted(ctx.estimates, key=lambda t: (t.model, t.memory_mib)):
+            for cand in self._candidates(ctx, gpu_type):
+                score = sum(s.weight * s.score(cand, ctx) for s in scorers) / total_weight
+                # Strictly better only: on a tie the earlier candidate (strategy order, then node
+                # name) stays, which keeps plans deterministic.
+                if score > best_score + 1e-12:
+                    best, best_score = cand, score
+        return best
+
+    def _window(self, ctx: PlacementContext, gpu_type: GpuType) -> list[Slot]:
+        """Up to ``window`` surviving slots not hosting this deployment, plus a few that do."""
+        preferred: list[Slot] = []
+        others: list[Slot] = []
+        stream = self.index.stream(
+            gpu_type, ctx.gpus_per_node, fullest_first=ctx.spec.strategy is Strategy.BINPACK
+        )
+        while True:
+            chunk = list(itertools.islice(stream, self.window))
+            survivors = chunk
+            for flt in self.filters:
+                survivors, _ = flt(survivors, ctx)
+            for slot in survivors:
+                if slot.name not in ctx.avoid:
+                    preferred.append(slot)
+                elif len(others) < self.window:
+                    others.append(slot)
+            if len(chunk) < self.window or len(preferred) >= self.window:
+                return preferred[: self.window] + others
+
+    def _candidates(self, ctx: PlacementContext, gpu_type: GpuType) -> list[Candidate]:
+        est = ctx.estimates[gpu_type]
+        window = self._window(ctx, gpu_type)
+        if ctx.across_nodes:
+            if len(window) < ctx.pp:
+                return []
+            stages: list[tuple[Slot, tuple[int, ...]]] = []
+            level = NVLINK
+            for slot in window[: ctx.pp]:
+                group = self.index.best_group(slot, slot.free, ctx.tp)
+                if group is None:
+                    return []
+                stages.append((slot, group[0]))
+                level = min(level, group[1])
+            return [Candidate(tuple(stages), est, level)]
+        out: list[Candidate] = []
+        for slot in window:
+            free = set(slot.free)
+            stages = []
+            level = NVLINK
+            for _ in range(ctx.pp):
+                group = self.index.best_group(slot, free, ctx.tp)
+                if group is None:
+                    break
+                stages.append((slot, group[0]))
+                level = min(level, group[1])
+                free.difference_update(group[0])
+            if len(stages) == ctx.pp:
+                out.append(Candidate(tuple(stages), est, level))
+        return out
+
+    # --- memory
+
+    def _estimate(self, job: _Job, t: GpuType, pp: int) -> MemoryEstimate:
+        spec, model = job.spec, job.model
+        mnbt = spec.engine_args.get("max_num_batched_tokens")
+        tokens = mnbt if isinstance(mnbt, int) and not isinstance(mnbt, bool) else None
+        key = (
+            model.name, model.num_params, spec.tp, pp, job.quant, t, job.length, spec.concurrency,
+            spec.gpu_memory_utilization, spec.dtype, spec.kv_cache_dtype, tokens,
+        )  # fmt: skip
+        hit = self._estimates.get(key)
+        if hit is None:
+            hit = estimate(
+                model,
+                tp=spec.tp,
+                pp=pp,
+                gpu_memory_mib=t.memory_mib,
+                gpu_model=t.model,
+                quantization=job.quant,
+                dtype=spec.dtype,
+                kv_cache_dtype=spec.kv_cache_dtype,
+                max_model_len=job.length,
+                concurrency=spec.concurrency,
+                gpu_memory_utilization=spec.gpu_memory_utilization,
+                max_num_batched_tokens=tokens,
+            )
+            self._estimates[key] = hit
+        return hit
+
+    def _pp_min(self, job: _Job, t: GpuType) -> int | None:
+        """Smallest pipeline depth at which one GPU of type ``t`` holds its share (None: none does)."""
+        spec = job.spec
+        key = (
+            job.model.name, job.model.num_params, spec.tp, job.quant, t, job.length, spec.concurrency,
+            spec.gpu_memory_utilization, spec.dtype, spec.kv_cache_dtype,
+            spec.engine_args.get("max_num_batched_tokens"),
+        )  # fmt: skip
+        if key not in self._pp_mins:
+            self._pp_mins[key] = next(
+                (pp for pp in range(1, job.model.num_layers + 1) if self._estimate(job, t, pp).fits), None
+            )
+        return self._pp_mins[key]
+
+    # --- explanations
+
+    def _layout_note(self, job: _Job, cand: Candidate, *, across: bool, replica: int) -> str:
+        est = cand.estimate
+        nodes = ", ".join(dict.fromkeys(slot.name for slot, _ in cand.stages))
+        where = "across nodes " + nodes if across else "in one node " + nodes
+        line = (
+            f"replica {replica}: tp={est.tp} pp={est.pp} {where} on {est.gpu_model}, "
+            f"{gib(est.required_mib)} per GPU, TP link {LINK_NAMES[cand.level]}"
+        )
+        if job.spec.pp is None and est.pp > 1:
+            smaller = [self._estimate(job, t, est.pp - 1) for t in self.index.gpu_types()]
+            if not any(e.fits for e in smaller):
+                top = max(smaller, key=lambda e: e.budget_mib)
+                line += (
+                    f"; pp={est.pp - 1} would need {gib(top.required_mib)} per GPU, more than the "
+                    f"{gib(top.budget_mib)} usable on {top.gpu_model}"
+                )
+            else:
+                line += f"; pp={est.pp - 1} fits in memory but no node had the free GPUs for it"
+        return line
+
+    def _reason_layout(self, job: _Job, t: GpuType) -> tuple[int, bool]:
+        """The layout to explain for GPU type ``t``: the user's pp, else the smallest pp that fits."""
+        if job.spec.pp is not None:
+            return job.spec.pp, False
+        pp = self._pp_min(job, t)
+        if pp is None:
+            return job.model.num_layers, False
+        largest = max((s.size for s in self.index.slots if s.gpu_type == t), default=0)
+        return pp, job.spec.tp * pp > largest
+
+    def _node_reasons(self, job: _Job) -> list[str]:
+        """Why each node cannot take (another) replica, by node name; then the across-node summaries."""
+        spec, tp = job.spec, job.spec.tp
+        per_node: list[tuple[str, str]] = []
+        summaries: list[str] = []
+        for t in self.index.gpu_types():
+            pp, across = self._reason_layout(job, t)
+            est = self._estimate(job, t, pp)
+            ctx = PlacementContext(spec, job.model, tp, pp, across, {t: est}, set())
+            slots: list[Slot] = [s for s in self.index.slots if s.gpu_type == t]
+            for flt in self.filters:
+                slots, why = flt(slots, ctx)
+                per_node.extend((line.split(":", 1)[0], line) for line in why)
+            if (across or pp > 1) and est.fits:
+                have = self.index.count_with_free(t, tp)
+                summaries.append(
+                    f"across nodes: {have} {t} node(s) have {tp} free GPUs; tp={tp} pp={pp} needs "
+                    f"{pp} such nodes with {gib(est.required_mib)} per GPU"
+                )
+        lines = [line for _, line in sorted(per_node, key=lambda p: p[0])] + summaries
+        if not self.index.slots:
+            lines.insert(
+                0,
+                f"no node has GPUs: engine {spec.engine.value} needs them "
+                "(engines sim and vllm-cpu run on CPU hosts)",
+            )
+        elif tp > self._largest_node:
+            lines.insert(
+                0,
+                f"tp={tp}: a TP group stays inside one node and the largest node has "
+                f"{self._largest_node} GPUs",
+            )
+        gpu_nodes = {s.name for s in self.index.slots}
+        no_gpu = sorted(n.name for n in self.fleet.nodes if n.name not in gpu_nodes)
+        if no_gpu:
+            lines.append(f"{', '.join(no_gpu)}: no GPUs")
+        return lines
+
+    def _why(self, job: _Job, unplaced: int) -> list[str]:
+        spec = job.spec
+        pp = f" pp={spec.pp}" if spec.pp is not None else ""
+        head = (
+            f"{unplaced} of {spec.replicas} replica(s) of {job.model.name} (tp={spec.tp}{pp}, "
+            f"quantization {job.quant.value}, max_model_len {job.length}, concurrency {spec.concurrency}) "
+            "could not be placed:"
+        )
+        if not self.fleet.nodes:
+            return [head, "the fleet has no nodes; give an inventory with -i"]
+        lines = self._node_reasons(job)
+        if len(lines) > MAX_REASON_LINES:
+            more = len(lines) - MAX_REASON_LINES
+            lines = [*lines[:MAX_REASON_LINES], f"… and {more} more line(s) of the same kinds"]
+        return [head, *lines]
+
+
+# --- module API
+
+
+def plan(
+    fleet: Fleet,
+    spec: DeploymentSpec,
+    model: ModelSpec,
+    placed: Sequence[Shard] = (),
+    *,
+    avoid_nodes: Collection[str] = (),
+    explain: bool = False,
+) -> Plan:
+    """Place ``spec``'s replicas of ``model`` on ``fleet``, around the GPUs ``placed`` shards hold.
+
+    CPU engines (``sim``, ``vllm-cpu``) get :func:`plan_cpu`. ``avoid_nodes`` are nodes that already run
+    replicas of this deployment. ``explain`` adds each refused node's reason to ``notes``.
+    """
+    if spec.engine in CPU_ENGINES:
+        return plan_cpu(fleet, spec, placed, avoid_nodes=avoid_nodes)
+    planner = Planner(fleet, placed, utilization=spec.gpu_memory_utilization)
+    return planner.plan(spec, model, avoid_nodes=avoid_nodes, explain=explain)
+
+
+def plan_many(fleet: Fleet, requests: Sequence[PlacementRequest], placed: Sequence[Shard] = ()) -> list[Plan]:
+    """Place many deployments on one fleet; plans come back in request order.
+
+    Requests are placed largest replica first (first-fit decreasing packs better than arrival order);
+    GPU plans only (CPU engines go through :func:`plan_cpu`).
+    """
+    utilization = max((r.spec.gpu_memory_utilization for r in requests), default=0.9)
+    planner = Planner(fleet, placed, utilization=utilization)
+    for req in requests:
+        _check_request(req.spec, req.model)
+    # Sort key: most GPUs per replica first, then more replicas first; the input position keeps it stable.
+    order = sorted(
+        range(len(requests)),
+        key=lambda i: (-planner.min_gpus(requests[i].spec, requests[i].model), -requests[i].spec.replicas, i),
+    )
+    plans: dict[int, Plan] = {}
+    for i in order:
+        req = requests[i]
+        plans[i] = planner.plan(req.spec, req.model, avoid_nodes=req.avoid_nodes)
+    return [plans[i] for i in range(len(requests))]
+
+
+def plan_cpu(
+    fleet: Fleet,
+    spec: DeploymentSpec,
+    placed: Sequence[Shard] = (),
+    *,
+    avoid_nodes: Collection[str] = (),
+) -> Plan:
+    """CPU placement for engines without GPUs: one shard (``gpus=[]``) per replica, no memory check.
+
+    Nodes are chosen by the same preferences as GPU replicas: nodes not yet running this deployment
+    first, then binpack (the node with most replicas) or spread (fewest), then node name.
+    """
+    nodes = [n for n in fleet.nodes if all(n.labels.get(k) == v for k, v in spec.node_selector.items())]
+    if not nodes:
+        why = "the fleet has no nodes" if not fleet.nodes else "no node matches the node selector"
+        return Plan(
+            model=spec.model,
+            deployment=spec.name,
+            unplaced=spec.replicas,
+            reasons=[f"{spec.replicas} replica(s) of {spec.model} could not be placed: {why}"],
+        )
+    load = {n.name: 0 for n in nodes}
+    for shard in placed:
+        if shard.node in load and shard.pp_rank == 0:
+            load[shard.node] += 1
+    used = set(avoid_nodes)
+    replicas: list[ReplicaPlan] = []
+    sign = -1 if spec.strategy is Strategy.BINPACK else 1
+    for _ in range(spec.replicas):
+        # Sort key: nodes without this deployment first, then most (binpack) or fewest (spread) replicas,
+        # then name so the same input gives the same plan.
+        name = min(load, key=lambda n: (n in used, sign * load[n], n))
+        load[name] += 1
+        used.add(name)
+        replicas.append(
+            ReplicaPlan(
+                tp=1,
+                pp=1,
+                quantization=spec.quantization
+                if spec.quantization is not Quantization.AUTO
+                else Quantization.NONE,
+                shards=[Shard(node=name, gpus=[], pp_rank=0)],
+                per_gpu_memory_gib=0.0,
+                max_concurrency=spec.concurrency,
+            )
+        )
+    return Plan(
+        model=spec.model,
+        deployment=spec.name,
+        replicas=replicas,
+        notes=[f"engine {spec.engine.value} runs on CPUs: no GPU memory check"],
+    )
+
+
+def plan_to_json(plan: Plan) -> dict[str, object]:
+    """The stable JSON contract of ``llmctl plan --output json`` (only these keys, in this order)."""
+    return {
+        "model": plan.model,
+        "replicas": [
+            {
+                "tp": r.tp,
+                "pp": r.pp,
+                "shards": [{"node": s.node, "gpus": list(s.gpus), "pp_rank": s.pp_rank} for s in r.shards],
+                "per_gpu_memory_gib": r.per_gpu_memory_gib,
+                "max_concurrency": r.max_concurrency,
+            }
+            for r in plan.replicas
+        ],
+        "unplaced": plan.unplaced,
+        "reasons": list(plan.reasons),
+    }
