@@ -177,6 +177,7 @@ def generate_tiny_model(dest: Path, config: TinyModelConfig | None = None) -> Pa
             {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"},
         )
         save_file(_weights(cfg, vocab), str(work / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(work / "model.safetensors", 0o644)  # safetensors writes 0600; weights are not secret
         write_manifest(work)
         os.chmod(work, 0o755)  # noqa: S103 - mkdtemp makes 0700; engines may run as another user
         if dest.exists():

@@ -1,11 +1,336 @@
-"""`llmctl` commands: runtime."""
+"""`llmctl` commands: runtime (deploy, status, undeploy, logs)."""
 
 from __future__ import annotations
 
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
 import typer
 
-__all__ = ["register"]
+from controlplane.cli import ui
+from controlplane.errors import UserError
+from controlplane.spec import (
+    DeploymentSpec,
+    Dtype,
+    EngineKind,
+    Fleet,
+    ModelSpec,
+    Plan,
+    Quantization,
+    ReplicaRecord,
+)
+
+if TYPE_CHECKING:
+    from controlplane.controller import Deployer
+
+__all__ = ["register", "status_document"]
+
+
+class StatusFormat(StrEnum):
+    TABLE = "table"
+    JSON = "json"
+
+
+class EngineChoice(StrEnum):
+    AUTO = "auto"
+    VLLM = "vllm"
+    VLLM_CPU = "vllm-cpu"
+    SIM = "sim"
+
+
+InventoryOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--inventory", "-i", help="Ansible inventory or fleet file (default: SARV_INVENTORY, else this host)."
+    ),
+]
+
+
+def _parse_value(text: str) -> str | int | float | bool:
+    low = text.lower()
+    if low in {"true", "yes", "on"}:
+        return True
+    if low in {"false", "no", "off"}:
+        return False
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _engine_args(pairs: list[str]) -> dict[str, str | int | float | bool]:
+    out: dict[str, str | int | float | bool] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise UserError(f"--engine-arg {pair!r} must be KEY=VALUE (e.g. max_num_seqs=64)")
+        out[key.strip().replace("-", "_")] = _parse_value(value.strip())
+    return out
+
+
+@contextmanager
+def _deployer(inventory: Path | None, *, progress: Any = None) -> Iterator[Deployer]:
+    """A Deployer wired from the settings: state store, fleet, catalog, planners and launchers."""
+    from controlplane.catalog import Catalog
+    from controlplane.controller import Deployer, default_engines
+    from controlplane.fleet import load_fleet
+    from controlplane.launchers import launcher_for
+    from controlplane.settings import load_settings
+    from controlplane.state import open_store  # type: ignore[attr-defined]
+
+    settings = load_settings(inventory=inventory)
+    store = open_store(settings.resolved_state_url, settings)
+    try:
+        fleet = load_fleet(settings.inventory)
+        deployer = Deployer(
+            settings=settings,
+            store=store,
+            fleet=fleet,
+            catalog=Catalog.load(settings.catalog),
+            planner=_planner,
+            launcher_factory=lambda node: launcher_for(node, settings.home, settings.resolved_model_cache),
+            engines=default_engines(settings),
+            progress=progress,
+            python=sys.executable,
+        )
+        yield deployer
+    finally:
+        store.close()
+
+
+def _planner(fleet: Fleet, spec: DeploymentSpec, model: ModelSpec, placed: list[ReplicaRecord]) -> Plan:
+    """GPU placement for ``vllm``; CPU placement on this host for ``vllm-cpu`` and ``sim``."""
+    from controlplane.controller import cpu_plan
+
+    if spec.engine is EngineKind.VLLM:
+        from controlplane import placement
+
+        return placement.plan(fleet, spec, model, [s for r in placed for s in r.shards])
+    # Not placement.plan_cpu: until a remote launcher exists, CPU replicas must land on this host.
+    return cpu_plan(fleet, spec, model, placed)
+
+
+def _age(ts: float, now: float) -> str:
+    if not ts:
+        return "-"
+    s = max(0, int(now - ts))
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m"
+    return f"{s // 3600}h" if s < 172800 else f"{s // 86400}d"
+
+
+def status_document(deployer: Deployer) -> dict[str, Any]:
+    """The JSON contract of ``llmctl status -o json``: deployments, each with its replicas."""
+    replicas = deployer.refresh()
+    by_dep: dict[str, list[ReplicaRecord]] = {}
+    for r in replicas:
+        by_dep.setdefault(r.deployment, []).append(r)
+    deployments = []
+    for d in deployer.store.list_deployments():
+        reps = sorted(by_dep.pop(d.name, []), key=lambda r: r.index)
+        deployments.append(
+            {
+                "name": d.name,
+                "model": d.spec.model,
+                "engine": d.spec.engine.value,
+                "desired_replicas": d.spec.replicas,
+                "tp": d.spec.tp,
+                "pp": d.spec.pp or 1,
+                "created_at": d.created_at,
+                "replicas": [_replica_doc(r) for r in reps],
+            }
+        )
+    # Replicas without a desired deployment (a crashed deploy) are shown, not hidden.
+    for name, reps in sorted(by_dep.items()):
+        deployments.append({"name": name, "orphaned": True, "replicas": [_replica_doc(r) for r in reps]})
+    return {"deployments": deployments}
+
+
+def _replica_doc(r: ReplicaRecord) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "index": r.index,
+        "model": r.model,
+        "engine": r.engine.value,
+        "node": r.node,
+        "gpus": sorted({g for s in r.shards for g in s.gpus}),
+        "state": r.state.value,
+        "endpoint": r.endpoint,
+        "adapters": r.adapters,
+        "pid": int(r.handle["pid"]) if r.handle.get("pid", "").isdigit() else None,
+        "log": r.handle.get("log"),
+        "message": r.message,
+        "created_at": r.created_at,
+        "updated_at": r.updated_at,
+    }
+
+
+def _print_endpoints(replicas: list[ReplicaRecord]) -> None:
+    for r in sorted(replicas, key=lambda r: r.index):
+        ui.out(f"  {r.id}  {r.state.value:<9} {r.endpoint or '-'}")
 
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to ``app``."""
+
+    @app.command()
+    def deploy(  # noqa: PLR0917 - Typer maps each CLI option to a parameter
+        model: Annotated[str, typer.Argument(help="Catalog model name (see `llmctl models`).")],
+        name: Annotated[str | None, typer.Option(help="Deployment name (default: the model name).")] = None,
+        tp: Annotated[int, typer.Option(help="Tensor-parallel size (GPUs per pipeline stage).")] = 1,
+        pp: Annotated[int | None, typer.Option(help="Pipeline-parallel size (default: 1).")] = None,
+        replicas: Annotated[int, typer.Option(help="Number of replicas.")] = 1,
+        engine: Annotated[
+            EngineChoice,
+            typer.Option(help="vllm (GPU container), vllm-cpu, sim; auto: vllm with GPUs, else vllm-cpu."),
+        ] = EngineChoice.AUTO,
+        wait: Annotated[
+            bool, typer.Option("--wait/--no-wait", help="Wait until every replica is ready.")
+        ] = True,
+        timeout: Annotated[float, typer.Option(help="Seconds to wait for readiness.")] = 900.0,
+        source: Annotated[
+            str | None,
+            typer.Option(help="Weights: a directory or http(s)/s3 URL with a SHA256SUMS manifest."),
+        ] = None,
+        port: Annotated[
+            int | None, typer.Option(help="First replica's port (default: any free port).")
+        ] = None,
+        max_model_len: Annotated[int | None, typer.Option(help="Context length.")] = None,
+        gpu_memory_utilization: Annotated[
+            float, typer.Option(help="Fraction of GPU memory vLLM may use.")
+        ] = 0.9,
+        quantization: Annotated[Quantization, typer.Option(help="Weight format.")] = Quantization.NONE,
+        kv_cache_dtype: Annotated[str, typer.Option(help="KV cache dtype (auto, fp8 …).")] = "auto",
+        dtype: Annotated[Dtype, typer.Option(help="Activation dtype.")] = Dtype.BF16,
+        max_num_seqs: Annotated[int | None, typer.Option(help="Sequences decoded at once.")] = None,
+        max_num_batched_tokens: Annotated[int | None, typer.Option(help="Tokens per scheduler step.")] = None,
+        enable_prefix_caching: Annotated[
+            bool | None, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching")
+        ] = None,
+        lora_module: Annotated[
+            list[str] | None, typer.Option(help="LoRA adapter NAME=PATH (repeat for several).")
+        ] = None,
+        speculative_config: Annotated[
+            str | None, typer.Option(help='"ngram[:N]", "draft:MODEL[:N]" or a JSON object.')
+        ] = None,
+        engine_arg: Annotated[
+            list[str] | None,
+            typer.Option(help="Other engine option KEY=VALUE (repeat), e.g. enforce_eager=true."),
+        ] = None,
+        inventory: InventoryOpt = None,
+        output: Annotated[StatusFormat, typer.Option("--output", "-o")] = StatusFormat.TABLE,
+    ) -> None:
+        """Plan, launch and await replicas of MODEL; a failed launch is rolled back."""
+        args = _engine_args(engine_arg or [])
+        for key, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("enable_prefix_caching", enable_prefix_caching),
+            ("speculative_config", speculative_config),
+        ):
+            if value is not None:
+                args[key] = value
+        if lora_module:
+            args["lora_modules"] = ",".join(lora_module)
+        with ui.progress() as bar, _deployer(inventory, progress=bar.update) as deployer:
+            kind = EngineKind(engine.value) if engine is not EngineChoice.AUTO else None
+            if kind is None:
+                has_gpu = any(n.gpus for n in deployer.fleet.nodes)
+                kind = EngineKind.VLLM if has_gpu else EngineKind.VLLM_CPU
+                bar.update(
+                    "engine", f"engine: {kind.value} ({'GPUs found' if has_gpu else 'no GPU in the fleet'})"
+                )
+            spec = DeploymentSpec(
+                name=name or deployer.catalog.get(model).name,
+                model=model,
+                replicas=replicas,
+                tp=tp,
+                pp=pp,
+                quantization=quantization,
+                dtype=dtype,
+                kv_cache_dtype=kv_cache_dtype,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization,
+                engine=kind,
+                engine_args=args,
+                source=source,
+            )
+            result = deployer.deploy(spec, wait=wait, timeout=timeout, port=port)
+        if output is StatusFormat.JSON:
+            ui.print_json(result.model_dump(mode="json"))
+            return
+        verb = "deployed" if result.changed else "unchanged (already running as asked)"
+        ui.out(f"{result.deployment}: {verb}")
+        _print_endpoints(result.replicas)
+
+    @app.command()
+    def status(
+        output: Annotated[StatusFormat, typer.Option("--output", "-o", help="table or json (stable).")] = (
+            StatusFormat.TABLE
+        ),
+        inventory: InventoryOpt = None,
+    ) -> None:
+        """Deployments and their replicas: node, GPUs, state, endpoint, age."""
+        with _deployer(inventory) as deployer:
+            doc = status_document(deployer)
+        if output is StatusFormat.JSON:
+            ui.print_json(doc)
+            return
+        now = time.time()
+        rows = []
+        for d in doc["deployments"]:
+            for r in d["replicas"] or [None]:
+                if r is None:
+                    rows.append([d["name"], "-", "-", "-", "no replicas", "-", "-"])
+                    continue
+                gpus = ",".join(map(str, r["gpus"])) or "cpu"
+                state = r["state"] + (f" ({r['message']})" if r["message"] else "")
+                rows.append(
+                    [
+                        d["name"],
+                        r["id"],
+                        r["node"],
+                        gpus,
+                        state,
+                        r["endpoint"] or "-",
+                        _age(r["created_at"], now),
+                    ]
+                )
+        if not rows:
+            ui.out("no deployments")
+            return
+        ui.table(["DEPLOYMENT", "REPLICA", "NODE", "GPUS", "STATE", "ENDPOINT", "AGE"], rows)
+
+    @app.command()
+    def undeploy(
+        name: Annotated[str, typer.Argument(help="Deployment name.")],
+        inventory: InventoryOpt = None,
+    ) -> None:
+        """Stop every replica of a deployment and remove it."""
+        with ui.progress() as bar, _deployer(inventory, progress=bar.update) as deployer:
+            stopped = deployer.undeploy(name)
+        ui.out(f"{name}: undeployed ({len(stopped)} replica{'s' if len(stopped) != 1 else ''} stopped)")
+
+    @app.command()
+    def logs(
+        replica: Annotated[str, typer.Argument(help="Replica id, e.g. sarv-tiny-0 (see `llmctl status`).")],
+        follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
+        tail: Annotated[int, typer.Option(help="Lines of history to print first (0: all).")] = 200,
+        inventory: InventoryOpt = None,
+    ) -> None:
+        """Print a replica's log."""
+        with _deployer(inventory) as deployer:
+            try:
+                for line in deployer.logs(replica, follow=follow, tail=tail):
+                    ui.out(line)
+            except KeyboardInterrupt:
+                return

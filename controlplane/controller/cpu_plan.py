@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from controlplane.errors import UserError
 from controlplane.launchers import is_local_node
 from controlplane.spec import (
     DeploymentSpec,
@@ -37,11 +38,13 @@ def cpu_plan(
     pp = spec.pp or 1
     reasons: list[str] = []
     if model.num_attention_heads % spec.tp:
-        reasons.append(
-            f"tp={spec.tp} does not divide {model.name}'s {model.num_attention_heads} attention heads"
+        # Input that can never work is the user's mistake (exit 2), as in the GPU planner.
+        raise UserError(
+            f"tp={spec.tp} does not divide {model.name}'s {model.num_attention_heads} attention heads",
+            hint="use a tp that divides the head count",
         )
     if pp > model.num_layers:
-        reasons.append(f"pp={pp} exceeds {model.name}'s {model.num_layers} layers")
+        raise UserError(f"pp={pp} exceeds {model.name}'s {model.num_layers} layers")
     cores = cpu_count() or 1
     if spec.engine is EngineKind.VLLM_CPU and spec.tp * pp > cores:
         reasons.append(

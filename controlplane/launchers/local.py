@@ -73,6 +73,8 @@ class LocalLauncher:
         self.host = host
         # Children started by this object, so their exit codes can be collected (and zombies reaped).
         self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self._started: dict[int, str] = {}
+        self._exit_codes: dict[tuple[int, str], int] = {}
 
     def run_dir(self, replica_id: str) -> Path:
         return self.home / "replicas" / replica_id
@@ -109,7 +111,7 @@ class LocalLauncher:
         with os.fdopen(fd, "ab") as out:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
             # argv never holds secrets (they travel in secret_env), so it is safe to log.
-            out.write(f"=== sarv: {stamp} starting {replica_id}: {shlex.join(launch.argv)}\n".encode())
+            out.write(f"=== sarv: {stamp} starting {replica_id}: {shlex.join(launch.argv)!r}\n".encode())
             out.flush()
             try:
                 proc = subprocess.Popen(
@@ -126,6 +128,7 @@ class LocalLauncher:
                 raise LaunchError(f"cannot start {replica_id}: {launch.argv[0]}: {exc.strerror}") from None
         ident = process_identity(proc.pid)
         self._children[proc.pid] = proc
+        self._started[proc.pid] = ident[2] if ident else ""
         return {
             "launcher": self.name,
             "host": socket.gethostname(),
@@ -134,23 +137,30 @@ class LocalLauncher:
             "log": str(log),
         }
 
-    def _identity(self, handle: dict[str, str]) -> tuple[int, bool]:
-        """``(pid, ours)``: ours is False when the pid is gone or now names another process."""
+    def _identity(self, handle: dict[str, str]) -> tuple[int, str]:
+        """``(pid, how)``: how is ``ours`` (pid and start time match), ``reused`` (the pid now names
+        another process) or ``absent`` (no process has that pid)."""
         pid = int(handle.get("pid", "0") or 0)
         if pid <= 1:
-            return pid, False
+            return pid, "reused"
         ident = process_identity(pid)
-        return pid, ident is not None and ident[2] == handle.get("start_time")
+        if ident is None:
+            return pid, "absent"
+        return pid, "ours" if ident[2] == handle.get("start_time") else "reused"
 
     def poll(self, handle: dict[str, str]) -> ReplicaProcess:
-        pid, ours = self._identity(handle)
-        child = self._children.get(pid)
-        if child is not None and ours and child.poll() is not None:
-            return ReplicaProcess(state=ProcessState.EXITED, exit_code=child.returncode)
-        if not ours:
-            if pid > 1 and _group_alive(pid):
-                # The leader died but workers of its group still run: report it as exited, so the
-                # caller stops the group rather than leaving orphans.
+        pid, how = self._identity(handle)
+        key = (pid, handle.get("start_time", ""))
+        if how == "ours":
+            self._reap(pid)
+        if key in self._exit_codes:
+            return ReplicaProcess(state=ProcessState.EXITED, exit_code=self._exit_codes[key])
+        if how == "reused":
+            return ReplicaProcess(state=ProcessState.GONE)
+        if how == "absent":
+            # Linux does not hand out a pid while a process group of that id exists, so a live group
+            # here is ours: the leader died but its workers run on. Report it so the caller stops them.
+            if _group_alive(pid):
                 return ReplicaProcess(state=ProcessState.EXITED, detail="leader exited, workers remain")
             return ReplicaProcess(state=ProcessState.GONE)
         ident = process_identity(pid)
@@ -159,11 +169,11 @@ class LocalLauncher:
         return ReplicaProcess(state=ProcessState.RUNNING)
 
     def stop(self, handle: dict[str, str], *, timeout: float = 30.0) -> None:
-        pid, ours = self._identity(handle)
-        # A pid that names another process means our group is long gone (Linux does not reuse a pid
-        # while a process group of that id exists), so only signal a matching leader or a live group.
-        if pid <= 1 or not (ours or _group_alive(pid)):
-            self._reap(pid)
+        pid, how = self._identity(handle)
+        if how == "reused":
+            return
+        if how == "absent" and not _group_alive(pid):
+            self._exit_codes.pop((pid, handle.get("start_time", "")), None)
             return
         for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -172,14 +182,23 @@ class LocalLauncher:
             while time.monotonic() < deadline:
                 self._reap(pid)
                 if not _group_alive(pid):
+                    # Stopped on purpose: reap the (zombie) leader and forget its exit code.
+                    if pid in self._children:
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            self._children[pid].wait(timeout=5)
+                        self._reap(pid)
+                    self._exit_codes.pop((pid, handle.get("start_time", "")), None)
                     return
                 time.sleep(_POLL_S)
-        raise LaunchError(f"process group {pid} did not exit after SIGKILL", hint="check `ps -g {pid}`")
+        raise LaunchError(f"process group {pid} did not exit after SIGKILL", hint=f"check `ps -g {pid}`")
 
     def _reap(self, pid: int) -> None:
+        """Collect the exit code of a child this object started (so it does not linger as a zombie)."""
         child = self._children.get(pid)
         if child is not None and child.poll() is not None:
             self._children.pop(pid, None)
+            ident = self._started.pop(pid, "")
+            self._exit_codes[(pid, ident)] = child.returncode
 
     def logs(self, handle: dict[str, str], *, follow: bool = False, tail: int = 200) -> Iterator[str]:
         path = Path(handle.get("log", ""))

@@ -1,0 +1,49 @@
+"""The tiny model is generated offline, byte-for-byte reproducibly, with the catalog's architecture."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from controlplane.catalog import Catalog
+from controlplane.tinymodel import TINY_MODEL_NAME, generate_tiny_model
+from controlplane.weights import MANIFEST_NAME, verify_dir
+
+
+def test_generation_is_deterministic(tmp_path: Path) -> None:
+    a = generate_tiny_model(tmp_path / "a")
+    b = generate_tiny_model(tmp_path / "b")
+    assert (a / MANIFEST_NAME).read_text() == (b / MANIFEST_NAME).read_text()
+    verify_dir(a)
+
+
+def test_architecture_matches_the_catalog_entry(tmp_path: Path) -> None:
+    model = generate_tiny_model(tmp_path / "t")
+    cfg = json.loads((model / "config.json").read_text())
+    spec = Catalog.load().get(TINY_MODEL_NAME)
+    assert cfg["architectures"] == [spec.architecture]
+    assert cfg["hidden_size"] == spec.hidden_size
+    assert cfg["num_attention_heads"] == spec.num_attention_heads
+    assert cfg["num_key_value_heads"] == spec.num_kv_heads
+    assert cfg["head_dim"] == spec.head_dim == 64  # vLLM's CPU attention refuses head_dim 16
+    assert cfg["num_hidden_layers"] == spec.num_layers
+    assert cfg["intermediate_size"] == spec.intermediate_size
+    assert cfg["vocab_size"] == spec.vocab_size
+    from safetensors import safe_open
+
+    with safe_open(str(model / "model.safetensors"), framework="numpy") as f:
+        total = sum(int(f.get_tensor(k).size) for k in f.keys())  # noqa: SIM118 - safe_open is not a dict
+    assert total == spec.num_params
+
+
+def test_tokenizer_and_chat_template(tmp_path: Path) -> None:
+    model = generate_tiny_model(tmp_path / "t")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
+    text = "Hello, Sarv! ünïcode"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt == "<|bos|><|user|>hi<|end|><|assistant|>"
