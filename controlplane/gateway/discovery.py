@@ -1,0 +1,161 @@
+"""Keeps the router's replica set in step with the state store and scrapes each replica's load metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import aiohttp
+
+from controlplane.errors import StateError
+from controlplane.gateway.metrics import GatewayMetrics
+from controlplane.gateway.routing import ReplicaView, Router
+from controlplane.spec import ReplicaState
+from controlplane.state.base import StateStore
+
+__all__ = ["Discovery", "parse_vllm_load"]
+
+logger = logging.getLogger(__name__)
+
+_WAITING = "vllm:num_requests_waiting"
+_RUNNING = "vllm:num_requests_running"
+# vLLM ≥ 0.10 exports kv_cache_usage_perc; older releases gpu_cache_usage_perc (same meaning).
+_KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
+def parse_vllm_load(text: str) -> tuple[float, float, float] | None:
+    """(waiting, running, kv usage) summed/maxed over a vLLM ``/metrics`` page; None when absent."""
+    waiting = running = kv = 0.0
+    seen = False
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name, _, _ = line.partition("{") if "{" in line else line.partition(" ")
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        if name == _WAITING:
+            waiting += value
+            seen = True
+        elif name == _RUNNING:
+            running += value
+            seen = True
+        elif name in _KV:
+            kv = max(kv, value)
+            seen = True
+    return (waiting, running, kv) if seen else None
+
+
+class Discovery:
+    """Two loops: poll ``store.revision()`` for replica changes, and scrape replica metrics."""
+
+    def __init__(
+        self,
+        store: StateStore,
+        router: Router,
+        session: aiohttp.ClientSession,
+        metrics: GatewayMetrics,
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._router = router
+        self._session = session
+        self._metrics = metrics
+        self._now = monotonic
+        self._revision: int | None = None
+        self.store_ok = False
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def refresh(self) -> None:
+        """One discovery step: re-read the replicas when the store's revision moved."""
+        try:
+            rev = await asyncio.to_thread(self._store.revision)
+            if rev == self._revision:
+                self.store_ok = True
+                return
+            records = await asyncio.to_thread(self._store.list_replicas)
+            self.store_ok = True
+        except (StateError, OSError) as exc:
+            # Keep routing to the last known replicas: a store outage must not take the API down.
+            if self.store_ok:
+                logger.warning(
+                    "state store unreachable (%s); keeping %d known replicas", exc, len(self._router.replicas)
+                )
+            self.store_ok = False
+            return
+        ready = [r for r in records if r.state is ReplicaState.READY and r.endpoint]
+        new = self._router.set_replicas(ready)
+        self._revision = rev
+        counts: dict[str, int] = {}
+        for r in records:
+            counts[r.state.value] = counts.get(r.state.value, 0) + 1
+        for state in ReplicaState:
+            self._metrics.replicas.labels(state.value).set(counts.get(state.value, 0))
+        if new:
+            logger.info("replicas now: %s", ", ".join(sorted(v.id for v in self._router.replicas)))
+            await asyncio.gather(*(self._learn_context(v) for v in new))
+
+    async def _learn_context(self, view: ReplicaView) -> None:
+        # vLLM's /v1/models reports max_model_len; the gateway checks prompts against it.
+        try:
+            async with self._session.get(
+                f"{view.endpoint}/v1/models", timeout=aiohttp.ClientTimeout(total=2.0)
+            ) as resp:
+                if resp.status != 200:
+                    return
+                data = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            logger.debug("cannot read %s/v1/models: %s", view.endpoint, exc)
+            return
+        for card in data.get("data", []) if isinstance(data, dict) else []:
+            if isinstance(card, dict) and isinstance(card.get("max_model_len"), int):
+                view.max_model_len = card["max_model_len"]
+                return
+
+    async def scrape(self, view: ReplicaView, timeout: float) -> None:
+        try:
+            async with self._session.get(
+                f"{view.endpoint}/metrics", timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as resp:
+                if resp.status != 200:
+                    return
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+            return  # stale metrics are ignored by the router; nothing else to do
+        load = parse_vllm_load(text)
+        if load is not None:
+            self._router.observe(view.id, waiting=load[0], running=load[1], kv=load[2])
+
+    async def _discover_loop(self, interval: float) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # keep the loop alive whatever one step does; it is logged with its traceback
+                logger.exception("replica discovery step failed")
+            await asyncio.sleep(interval)
+
+    async def _scrape_loop(self, interval: float) -> None:
+        while True:
+            views = self._router.replicas
+            if views:
+                try:
+                    await asyncio.gather(*(self.scrape(v, interval * 2) for v in views))
+                except Exception:  # as above: one bad scrape must not stop the loop
+                    logger.exception("metrics scrape failed")
+            await asyncio.sleep(interval)
+
+    def start(self, discovery_interval: float, scrape_interval: float) -> None:
+        self._tasks = [
+            asyncio.create_task(self._discover_loop(discovery_interval), name="sarv-discovery"),
+            asyncio.create_task(self._scrape_loop(scrape_interval), name="sarv-scrape"),
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []

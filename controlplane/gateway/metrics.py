@@ -1,0 +1,83 @@
+"""The gateway's Prometheus series, on a registry owned by one app (several apps per process in tests)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["GatewayMetrics"]
+
+# Latency buckets from 1 ms to 2 min: TTFT of a cached prompt is a few ms, a long generation minutes.
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class GatewayMetrics:
+    """Series names are a contract with the dashboards (dashboards/src); do not rename them."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "sarv_gateway_requests",
+            "Requests by model, key name and status",
+            ["model", "key", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "sarv_gateway_ttft_seconds",
+            "Time to first byte of the answer",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "sarv_gateway_itl_seconds", "Time between streamed chunks", ["model"], buckets=_ITL, registry=r
+        )
+        self.e2e = Histogram(
+            "sarv_gateway_e2e_seconds", "End-to-end request latency", ["model"], buckets=_LATENCY, registry=r
+        )
+        self.queue = Histogram(
+            "sarv_gateway_queue_seconds",
+            "Time queued in the gateway",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "sarv_gateway_prompt_tokens", "Prompt tokens", ["model", "key"], registry=r
+        )
+        self.completion_tokens = Counter(
+            "sarv_gateway_completion_tokens", "Completion tokens", ["model", "key"], registry=r
+        )
+        self.ratelimit_rejections = Counter(
+            "sarv_gateway_ratelimit_rejections",
+            "Requests refused by rate limits",
+            ["key", "reason"],
+            registry=r,
+        )
+        self.validation_rejections = Counter(
+            "sarv_gateway_validation_rejections", "Requests refused by validation", ["reason"], registry=r
+        )
+        self.routing_decisions = Counter(
+            "sarv_gateway_routing_decisions", "Replica picks", ["policy", "replica"], registry=r
+        )
+        self.retries = Counter("sarv_gateway_retries", "Requests retried on another replica", registry=r)
+        self.upstream_errors = Counter(
+            "sarv_gateway_upstream_errors", "Failed upstream calls", ["replica"], registry=r
+        )
+        self.replicas = Gauge("sarv_gateway_replicas", "Known replicas by state", ["state"], registry=r)
+        self.limiter_errors = Counter(
+            "sarv_gateway_ratelimit_backend_errors",
+            "Rate-limiter backend unreachable, by what the gateway did (admitted = fail open)",
+            ["action"],
+            registry=r,
+        )
+        self.guardrail_actions = Counter(
+            "sarv_gateway_guardrail_actions",
+            "Guardrail refusals and redactions",
+            ["hook", "action"],
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

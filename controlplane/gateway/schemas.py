@@ -1,0 +1,205 @@
+"""OpenAI request bodies the gateway validates (strict types; unknown fields pass through to the replica)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "ContentPart",
+    "EmbeddingRequest",
+    "ErrorDetail",
+    "ErrorResponse",
+    "ModelCard",
+    "ModelList",
+    "StreamOptions",
+    "openapi_document",
+]
+
+# Token ids or strings: the four prompt shapes OpenAI accepts.
+PromptT = str | list[str] | list[int] | list[list[int]]
+
+
+class _Strict(BaseModel):
+    # strict: "5" is not an int and "true" is not a bool, as with OpenAI's own API; extra fields are the
+    # engine's sampling options, forwarded untouched (the original bytes go upstream, not a re-serialisation).
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class _Generation(_Strict):
+    model: str = Field(min_length=1, max_length=256)
+    """A served model name or a LoRA adapter name."""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    seed: int | None = None
+    user: str | None = Field(default=None, max_length=256)
+
+
+class CompletionRequest(_Generation):
+    """``POST /v1/completions``."""
+
+    prompt: PromptT
+    best_of: int | None = Field(default=None, ge=1)
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: bool | None = None
+    suffix: str | None = None
+
+
+class ContentPart(_Strict):
+    type: str = Field(min_length=1, max_length=64)
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: str = Field(min_length=1, max_length=64)
+    content: str | list[ContentPart] | None = None
+    name: str | None = Field(default=None, max_length=256)
+
+
+class ChatCompletionRequest(_Generation):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)
+
+
+class EmbeddingRequest(_Strict):
+    """``POST /v1/embeddings``."""
+
+    model: str = Field(min_length=1, max_length=256)
+    input: PromptT
+    encoding_format: str | None = None
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = Field(default=None, max_length=256)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "sarv"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def openapi_document() -> dict[str, Any]:
+    """The gateway's OpenAPI 3.1 document, built from the models above (served at ``/openapi.json``)."""
+    from pydantic.json_schema import models_json_schema
+
+    models: list[type[BaseModel]] = [
+        CompletionRequest,
+        ChatCompletionRequest,
+        EmbeddingRequest,
+        ModelList,
+        ErrorResponse,
+    ]
+    _, top = models_json_schema(
+        [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
+    )
+    schemas = top.get("$defs", {})
+
+    def ref(name: str) -> dict[str, str]:
+        return {"$ref": f"#/components/schemas/{name}"}
+
+    errors = {
+        str(code): {
+            "description": text,
+            "content": {"application/json": {"schema": ref("ErrorResponse")}},
+        }
+        for code, text in (
+            (400, "invalid request"),
+            (401, "missing or unknown API key"),
+            (403, "model not allowed for this key"),
+            (404, "unknown model"),
+            (413, "body too large"),
+            (429, "rate limited"),
+            (503, "no replica or queue full"),
+        )
+    }
+
+    def post(schema: str, summary: str) -> dict[str, Any]:
+        return {
+            "post": {
+                "summary": summary,
+                "security": [{"bearer": []}],
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": ref(schema)}},
+                },
+                "responses": {
+                    "200": {
+                        "description": "the replica's answer (JSON, or SSE when stream is true)",
+                        "content": {"application/json": {"schema": {"type": "object"}}},
+                    },
+                    **errors,
+                },
+            }
+        }
+
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Sarv gateway", "version": "1"},
+        "paths": {
+            "/v1/models": {
+                "get": {
+                    "summary": "Models and LoRA adapters served by ready replicas",
+                    "security": [{"bearer": []}],
+                    "responses": {
+                        "200": {
+                            "description": "model list",
+                            "content": {"application/json": {"schema": ref("ModelList")}},
+                        },
+                        "401": errors["401"],
+                    },
+                }
+            },
+            "/v1/completions": post("CompletionRequest", "Text completion"),
+            "/v1/chat/completions": post("ChatCompletionRequest", "Chat completion"),
+            "/v1/embeddings": post("EmbeddingRequest", "Embeddings"),
+            "/health": {"get": {"summary": "alive", "responses": {"200": {"description": "alive"}}}},
+            "/ready": {
+                "get": {
+                    "summary": "has a store and a ready replica",
+                    "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}},
+                }
+            },
+        },
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
