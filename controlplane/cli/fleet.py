@@ -22,6 +22,8 @@ class OutputFormat(StrEnum):
 
 
 def _gib(mib: float) -> str:
+    if 0 < mib < 1024:
+        return f"{mib:g} MiB"
     return f"{mib / 1024:.1f}".removesuffix(".0") + " GiB"
 
 

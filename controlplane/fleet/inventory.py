@@ -170,7 +170,7 @@ def _bad_var(host: str, exc: ValidationError) -> InventoryError:
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     return InventoryError(
         f"host {host}: {var}={value!r} is invalid ({msg}); allowed: {allowed}",
-        hint="fix it in the inventory (host line, group :vars or group_vars/)",
+        hint="fix it in the inventory: host line, group :vars or group_vars/",
     )
 
 
