@@ -53,11 +53,7 @@ def _limiter(settings: Settings) -> RateLimiter:
 
 def build_app(settings: Settings, config_path: Path | None = None) -> GatewayApp:
     """The app for these settings; nothing connects until the ASGI lifespan starts it."""
-    from controlplane import state
-
-    open_store = getattr(state, "open_store", None)
-    if open_store is None:  # pragma: no cover - the state package always provides it once complete
-        raise ConfigError("this installation has no state backends (controlplane.state.open_store)")
+    from controlplane.state import open_store  # type: ignore[attr-defined]
 
     config = load_gateway_config(config_path)
     store = open_store(settings.resolved_state_url, settings)
