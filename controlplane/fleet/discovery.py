@@ -145,9 +145,11 @@ class FabricConnector:
         from fabric import Connection
         from paramiko import RejectPolicy, SSHException
 
-        connect_kwargs: dict[str, Any] = {}
+        # connect_timeout only bounds the TCP connect in paramiko; a port that accepts but never
+        # speaks SSH would otherwise hold a worker for the 15 s banner + 30 s auth defaults.
+        connect_kwargs: dict[str, Any] = {"banner_timeout": connect_timeout, "auth_timeout": connect_timeout}
         if self.key_filename is not None:
-            connect_kwargs = {
+            connect_kwargs |= {
                 "key_filename": [str(self.key_filename)],
                 "look_for_keys": False,
                 "allow_agent": False,

@@ -175,13 +175,13 @@ def _bad_var(host: str, exc: ValidationError) -> InventoryError:
 
 
 def _node_from_vars(name: str, groups: list[str], raw: Mapping[str, Any]) -> Node | None:
+    # Membership first: a service host's variables are not Sarv's to judge.
+    if GPU_NODES_GROUP not in groups and not any(k.startswith("sarv_gpu") for k in raw):
+        return None
     try:
         hv = _HostVars.model_validate(raw)
     except ValidationError as exc:
         raise _bad_var(name, exc) from None
-    gpu_vars = [k for k in raw if k.startswith("sarv_gpu")]
-    if GPU_NODES_GROUP not in groups and not gpu_vars:
-        return None
     interconnect = hv.sarv_gpu_interconnect or Interconnect.PCIE
 
     gpus: list[GPU] = []

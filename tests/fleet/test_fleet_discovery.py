@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import textwrap
 from collections.abc import Sequence
@@ -176,6 +177,15 @@ def test_unreachable_host_says_what_to_check() -> None:
     msg = str(err.value)
     assert msg.startswith(f"host gone: cannot open SSH to sarv@127.0.0.1:{port}: ")
     assert "check ansible_host/ansible_port, that sshd runs there" in msg and "\n" not in msg
+
+
+def test_a_port_that_never_speaks_ssh_is_bounded_by_connect_timeout() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        # Accepts the TCP connection (the kernel does, via the backlog) and never sends a banner.
+        node = declared_node("mute", ssh_port=port, ssh_user="sarv")
+        with pytest.raises(DiscoveryError, match=rf"host mute: cannot open SSH to sarv@127.0.0.1:{port}: "):
+            discover_fleet(Fleet(nodes=[node]), connector=FabricConnector(), connect_timeout=1)
 
 
 # --- over real SSH (container test hosts with a fake nvidia-smi, see tests/fixtures/testhosts.py)

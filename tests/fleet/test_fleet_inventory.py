@@ -42,7 +42,7 @@ sarv_nic=ib0
 sarv_labels=tier=prod, rack=r1
 
 [other]
-svc1
+svc1 ansible_port=not-a-port
 lone sarv_gpu_model="GeForce RTX 3080" sarv_gpu_count=1 sarv_gpu_memory_mib=10240
 
 [all:vars]
