@@ -301,23 +301,25 @@ class Planner:
 
     def _window(self, ctx: PlacementContext, gpu_type: GpuType) -> list[Slot]:
         """Up to ``window`` surviving slots not hosting this deployment, plus a few that do."""
+        # A pipeline across nodes needs pp of them, even when pp exceeds the window.
+        want = max(self.window, ctx.pp) if ctx.across_nodes else self.window
         preferred: list[Slot] = []
         others: list[Slot] = []
         stream = self.index.stream(
             gpu_type, ctx.gpus_per_node, fullest_first=ctx.spec.strategy is Strategy.BINPACK
         )
         while True:
-            chunk = list(itertools.islice(stream, self.window))
+            chunk = list(itertools.islice(stream, want))
             survivors = chunk
             for flt in self.filters:
                 survivors, _ = flt(survivors, ctx)
             for slot in survivors:
                 if slot.name not in ctx.avoid:
                     preferred.append(slot)
-                elif len(others) < self.window:
+                elif len(others) < want:
                     others.append(slot)
-            if len(chunk) < self.window or len(preferred) >= self.window:
-                return preferred[: self.window] + others
+            if len(chunk) < want or len(preferred) >= want:
+                return preferred[:want] + others
 
     def _candidates(self, ctx: PlacementContext, gpu_type: GpuType) -> list[Candidate]:
         est = ctx.estimates[gpu_type]
