@@ -30,13 +30,14 @@ def console_examples() -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize(("command", "expected"), console_examples())
-def test_console_example(command: str, expected: str) -> None:
+def test_console_example(command: str, expected: str, tmp_path: Path) -> None:
     argv = shlex.split(command)
     assert argv[0] == "llmctl"
     r = subprocess.run(
         [sys.executable, "-m", "controlplane.cli.main", *argv[1:]],
         cwd=REPO,
-        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin", "HOME": str(REPO / "nonexistent-home")},
+        # A fixed width and an empty HOME (no user config; ansible-core writes ~/.ansible/tmp there).
+        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
         capture_output=True,
         text=True,
         timeout=120,
