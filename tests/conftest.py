@@ -3,4 +3,5 @@
 pytest_plugins = [
     "fixtures.redis",
     "fixtures.testhosts",
+    "fixtures.vllm",
 ]
