@@ -26,7 +26,7 @@ GPU_NODES_GROUP = "gpu_nodes"
 """Hosts of this group (directly or through child groups) are fleet nodes even without GPU variables."""
 
 _YAML_SUFFIXES = {".yml", ".yaml", ".json"}
-# Inventory variables Sarv reads; a host is a fleet node when it has any sarv_gpu* one.
+# Inventory variables Sarv reads.
 _HOST_VARS = (
     "sarv_gpu_model",
     "sarv_gpu_count",
@@ -41,6 +41,7 @@ _HOST_VARS = (
     "ansible_user",
     "ansible_port",
 )
+_DECLARING_VARS = ("sarv_gpu_model", "sarv_gpu_count", "sarv_gpu_memory_mib", "sarv_gpus")
 _ALLOWED = {
     "sarv_gpu_model": "a product name as nvidia-smi prints it, e.g. A100-SXM4-80GB",
     "sarv_gpu_count": "a whole number from 0 to 64",
@@ -175,8 +176,10 @@ def _bad_var(host: str, exc: ValidationError) -> InventoryError:
 
 
 def _node_from_vars(name: str, groups: list[str], raw: Mapping[str, Any]) -> Node | None:
-    # Membership first: a service host's variables are not Sarv's to judge.
-    if GPU_NODES_GROUP not in groups and not any(k.startswith("sarv_gpu") for k in raw):
+    # Membership first: a service host's variables are not Sarv's to judge. Only variables that
+    # declare GPUs make a node: a default such as sarv_gpu_interconnect in all:vars must not pull
+    # every Redis and Prometheus host into the fleet.
+    if GPU_NODES_GROUP not in groups and not any(k in raw for k in _DECLARING_VARS):
         return None
     try:
         hv = _HostVars.model_validate(raw)

@@ -47,6 +47,7 @@ lone sarv_gpu_model="GeForce RTX 3080" sarv_gpu_count=1 sarv_gpu_memory_mib=1024
 
 [all:vars]
 sarv_nic=eth0
+sarv_gpu_interconnect=pcie
 ansible_user=sarv
 """
 
