@@ -60,6 +60,12 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as exc:
         ui.error(exc.format_message())
         sys.exit(exc.exit_code)
+    # typer >= 0.24 vendors click (typer._click): its usage errors and exits are not click's classes.
+    except typer.TyperException as exc:
+        ui.error(exc.format_message())
+        sys.exit(exc.exit_code)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
     except click.exceptions.Abort:
         ui.error("aborted")
         sys.exit(130)
