@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +13,6 @@ from typing import Any
 
 import httpx
 import pytest
-from fixtures.common import free_port, need_binary, wait_port
 
 from controlplane.errors import StateError
 from controlplane.observability import replica_target_groups, write_file_sd, write_replica_targets
@@ -110,43 +108,6 @@ def metrics_server() -> Iterator[int]:
     server.shutdown()
     server.server_close()
     thread.join(timeout=5)
-
-
-@pytest.fixture
-def prometheus(tmp_path: Path) -> Iterator[tuple[int, Path]]:
-    """A real Prometheus on loopback whose only scrape job reads targets from a file_sd file."""
-    binary = need_binary("prometheus")
-    targets = tmp_path / "targets" / "replicas.json"
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-        "scrape_configs:\n  - job_name: sarv-replicas\n    file_sd_configs:\n"
-        f"      - files: ['{targets}']\n        refresh_interval: 1s\n"
-    )
-    port = free_port()
-    log = (tmp_path / "prometheus.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            binary,
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--log.level=warn",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        wait_port(port, timeout=30)
-        yield port, targets
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-        log.close()
 
 
 def _active_targets(port: int) -> list[dict[str, Any]]:
