@@ -52,6 +52,8 @@ Send = Callable[[Message], Awaitable[None]]
 _JSON = [(b"content-type", b"application/json")]
 _PROMPT_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# pydantic's error locations include the union member tried ("prompt.list[int]"): not a field name.
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\])$")
 _ENDPOINTS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
@@ -439,7 +441,7 @@ class GatewayApp:
                 ) from None
             loc = [str(p) for p in err.get("loc", ())]
             # Unions report the member type tried ("prompt.str"); name the field the client wrote.
-            field = ".".join(p for p in loc if not p.startswith(("str", "list[", "int", "function-")))
+            field = ".".join(p for p in loc if not _TYPE_TAG.match(p))
             field = field or "body"
             msg = str(err["msg"]).removeprefix("Value error, ")
             more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""

@@ -185,6 +185,7 @@ class RedisLimiter:
         self._client = client
         self._prefix = prefix
         self._fail_open = fail_open
+        self._warned_at = -1e18
         self._admit = client.register_script(_ADMIT_LUA)
         self._settle = client.register_script(_SETTLE_LUA)
 
@@ -217,11 +218,13 @@ class RedisLimiter:
         try:
             res = await self._admit(keys=keys, args=args)
         except (RedisError, OSError) as exc:
-            logger.warning(
-                "rate limiter unreachable (%s); %s",
-                exc,
-                "admitting (fail open)" if self._fail_open else "refusing",
-            )
+            if now - self._warned_at >= 10.0:  # one line per 10 s, not one per request
+                self._warned_at = now
+                logger.warning(
+                    "rate limiter unreachable (%s); %s",
+                    exc,
+                    "admitting (fail open)" if self._fail_open else "refusing",
+                )
             return Decision(self._fail_open, "limiter_unavailable", 1.0, backend_error=True)
         tag = res[0].decode() if isinstance(res[0], bytes) else str(res[0])
         if tag == "ok":

@@ -23,15 +23,19 @@ _CONFIG_ENV = "SARV_GATEWAY_CONFIG"
 def _limiter(settings: Settings) -> RateLimiter:
     url = settings.resolved_state_url
     if url.startswith(("redis://", "rediss://")):
-        from redis.asyncio import Redis
+        from redis.asyncio import BlockingConnectionPool, Redis
 
-        client = Redis.from_url(
+        # A bounded pool that waits for a free connection: a burst must not open thousands of sockets.
+        pool = BlockingConnectionPool.from_url(
             url,
+            max_connections=64,
+            timeout=1.0,
             username=settings.redis_username,
             password=settings.redis_password,
             socket_timeout=0.5,
             socket_connect_timeout=0.5,
         )
+        client = Redis.from_pool(pool)  # the client owns the pool: aclose() disconnects it
         return RedisLimiter(client, prefix=settings.state_prefix, fail_open=settings.ratelimit_fail_open)
     if url.startswith("redis+cluster://"):
         from redis.asyncio import RedisCluster
