@@ -2,6 +2,7 @@
 
 pytest_plugins = [
     "fixtures.redis",
+    "fixtures.sim",
     "fixtures.testhosts",
     "fixtures.vllm",
 ]

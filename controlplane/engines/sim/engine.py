@@ -118,7 +118,7 @@ class Slot:
     started: float = 0.0
     first_token: float = 0.0
     last_token: float = 0.0
-    released: bool = field(default=False, repr=False)
+    running: bool = field(default=False, repr=False)
 
 
 @dataclass
@@ -173,6 +173,7 @@ class SimEngine:
         self.cache.allocate(slot.hashes, slot.total_blocks)
         self.running_seqs += slot.seqs
         slot.started = now
+        slot.running = True
         m = self.metrics
         m.running = self.running_seqs
         m.kv_usage = self.cache.used_blocks / self.cache.capacity
@@ -234,9 +235,9 @@ class SimEngine:
             self._set_waiting()
 
     def release(self, slot: Slot, now: float) -> None:
-        if slot.released or not slot.started:
+        if not slot.running:
             return
-        slot.released = True
+        slot.running = False
         self.cache.release(slot.hashes, slot.total_blocks)
         self.running_seqs -= slot.seqs
         m = self.metrics
