@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import stat
@@ -197,3 +198,27 @@ def test_wrapper_refuses_bad_inputs(tmp_path: Path) -> None:
         Terraform(tmp_path, binary=str(tmp_path / "no-such-terraform")).init()
     with pytest.raises(ProvisionError, match=r"variables file .* does not exist"):
         Terraform(tmp_path).plan([tmp_path / "missing.tfvars"])
+
+
+def test_missing_provider_is_a_one_line_provision_error(infra_copy: Path, tmp_path: Path) -> None:
+    """The OpenStack example against an empty provider mirror: init fails with what to do next."""
+    from controlplane.infra import Terraform
+
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    cli_config = tmp_path / "terraformrc"
+    cli_config.write_text(
+        f'provider_installation {{\n  filesystem_mirror {{\n    path = "{mirror}"\n  }}\n}}\n'
+    )
+    env = {**os.environ, "TF_CLI_CONFIG_FILE": str(cli_config)}
+    workdir = infra_copy / "modules/openstack/examples/gpu-cluster"
+    with pytest.raises(ProvisionError) as exc:
+        Terraform(workdir, env=env).init()
+    message = str(exc.value)
+    assert "\n" not in message
+    assert message.startswith(f"terraform init failed in {workdir}: ")
+    assert "terraform-provider-openstack/openstack" in message
+    assert message.endswith(
+        "(check the module sources; offline sites need a provider mirror in the Terraform CLI config)"
+    )
+    assert exc.value.exit_code == 7

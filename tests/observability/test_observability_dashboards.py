@@ -177,6 +177,7 @@ def test_metric_and_label_names_exist_in_the_exporters() -> None:
     assert any(m.startswith("vllm:") for m in seen) and any(m.startswith("sarv_gateway_") for m in seen)
 
 
+@pytest.mark.prometheus
 def test_promtool_checks_and_unit_tests_rules() -> None:
     promtool = need_binary("promtool")
     check = subprocess.run(
