@@ -39,6 +39,7 @@ Planner = Callable[[Fleet, DeploymentSpec, ModelSpec, list[ReplicaRecord]], Plan
 LauncherFactory = Callable[[Node], Launcher]
 
 _TINY = "sarv-tiny"
+_READY_PATH = "/v1/models"
 
 
 class ModelCatalog(Protocol):
@@ -191,29 +192,29 @@ class Deployer:
         model = self.catalog.get(spec.model)
         previous = self.store.get_deployment(spec.name)
         if previous is not None and previous.spec != spec:
-            changed = sorted(
-                k for k, v in spec.model_dump().items() if previous.spec.model_dump().get(k) != v
-            )
-            raise UserError(
-                f"deployment {spec.name} already exists with different {', '.join(changed)}",
-                hint=f"run `llmctl undeploy {spec.name}` first, or pick another --name",
-            )
+            raise _conflict(previous.spec, spec)
+        loading: list[_Launched] = []
         if previous is not None:
             current = self.refresh(spec.name)
-            healthy = {
-                r.index
-                for r in current
-                if r.state in {ReplicaState.READY, ReplicaState.STARTING}
-                and (wait is False or r.state is ReplicaState.READY)
-            }
-            if len(healthy) >= spec.replicas:
-                return DeployResult(deployment=spec.name, changed=False, replicas=current)
+            ready = {r.index for r in current if r.state is ReplicaState.READY}
+            # Replicas still loading (an earlier --no-wait) are awaited, never restarted.
+            for r in current:
+                launcher = self._launcher_for_record(r)
+                if r.state is ReplicaState.STARTING and launcher is not None:
+                    loading.append(_Launched(r, launcher, _READY_PATH))
+            running = ready | {item.record.index for item in loading}
             plan = previous.plan
-            # Replace only what is not running; running replicas are left alone.
-            broken = [r for r in current if r.index not in healthy]
-            for rec in broken:
-                self._stop_and_forget(rec)
-            todo = [i for i in range(spec.replicas) if i not in healthy]
+            todo = [i for i in range(spec.replicas) if i not in running]
+            if not todo:
+                if wait and loading:
+                    self._await_ready(spec, loading, timeout)
+                return DeployResult(
+                    deployment=spec.name, changed=False, replicas=self.store.list_replicas(spec.name)
+                )
+            # Replace only what is not running (failed, unhealthy, missing); the rest is left alone.
+            for rec in current:
+                if rec.index not in running:
+                    self._stop_and_forget(rec)
             record = previous
         else:
             plan = self._plan(spec, model)
@@ -226,16 +227,10 @@ class Deployer:
         try:
             self._launch_all(spec, model=model, plan=plan, todo=todo, port=port, launched=launched)
             if wait:
-                self._await_ready(spec, launched, timeout)
+                self._await_ready(spec, [*launched, *loading], timeout)
         except BaseException as exc:
             self._rollback(spec, previous, launched)
-            if isinstance(exc, SarvError) and not isinstance(exc, LaunchError):
-                raise
-            if isinstance(exc, LaunchError):
-                raise type(exc)(f"{exc.message}; the deploy was rolled back", hint=exc.hint) from None
-            if isinstance(exc, KeyboardInterrupt):
-                raise LaunchError(f"deploy of {spec.name} interrupted; the deploy was rolled back") from None
-            raise
+            raise _rolled_back(spec, exc) from None
         replicas = self.store.list_replicas(spec.name)
         return DeployResult(deployment=spec.name, changed=True, replicas=replicas, notes=list(plan.notes))
 
@@ -436,6 +431,24 @@ class Deployer:
         if launcher is None:
             raise LaunchError(f"replica {rec.id} runs on {rec.node}; read its log there")
         return launcher.logs(rec.handle, follow=follow, tail=tail)
+
+
+def _conflict(old: DeploymentSpec, new: DeploymentSpec) -> UserError:
+    before = old.model_dump()
+    changed = sorted(k for k, v in new.model_dump().items() if before.get(k) != v)
+    return UserError(
+        f"deployment {new.name} already exists with different {', '.join(changed)}",
+        hint=f"run `llmctl undeploy {new.name}` first, or pick another --name",
+    )
+
+
+def _rolled_back(spec: DeploymentSpec, exc: BaseException) -> BaseException:
+    """The error to report after a rollback: launch failures say so; bad input stays as it was."""
+    if isinstance(exc, LaunchError):
+        return type(exc)(f"{exc.message}; the deploy was rolled back", hint=exc.hint)
+    if isinstance(exc, KeyboardInterrupt):
+        return LaunchError(f"deploy of {spec.name} interrupted; the deploy was rolled back")
+    return exc
 
 
 def _last_error(lines: list[str]) -> str:
