@@ -108,7 +108,7 @@ def test_discovery_replaces_declared_gpus_per_host(tmp_path: Path) -> None:
     assert (
         pcie.gpu_model == "A100-PCIE-40GB" and len(pcie.gpus) == 4 and pcie.interconnect is Interconnect.PCIE
     )
-    assert [g.pcie_switch for g in pcie.gpus] == ["pcie0", "pcie0", "pcie1", "pcie1"]
+    assert [g.pcie_switch for g in pcie.gpus] == ["pcie0", "pcie0", "pcie1", "pcie2"]
     assert rtx.labels == {"rack": "r9"}  # only GPUs and interconnect are replaced
     assert fleet.nodes[0].gpu_model == "A100-SXM4-80GB"  # the input fleet is not modified
 

@@ -46,8 +46,9 @@ def test_h100_sxm_8gpu_nv18() -> None:
 def test_pcie_a100_4gpu_switches_and_numa() -> None:
     got = gpus("a100-pcie-40gb-4gpu")
     assert all(g.nvlink_peers == [] for g in got)
-    # GPU0-1 PIX, GPU2-3 PXB: two switch components; the pairs meet only over SYS.
-    assert [g.pcie_switch for g in got] == ["pcie0", "pcie0", "pcie1", "pcie1"]
+    # GPU0-1 PXB share a switch; GPU2-3 NODE (two root complexes of one socket) do not; the pairs
+    # meet only over SYS. The NIC columns (PIX, PHB, NODE) say nothing about GPU switches.
+    assert [g.pcie_switch for g in got] == ["pcie0", "pcie0", "pcie1", "pcie2"]
     assert [g.numa_node for g in got] == [0, 0, 1, 1]
 
 
@@ -143,7 +144,7 @@ def test_short_matrix_row_names_the_line() -> None:
 
 
 def test_unknown_link_code() -> None:
-    text = sample("a100-pcie-40gb-4gpu.topo.txt").replace("PIX", "QQQ", 1)
+    text = sample("a100-pcie-40gb-4gpu.topo.txt").replace("PXB", "QQQ", 1)
     with pytest.raises(DiscoveryError, match="unknown link 'QQQ' between GPU0 and GPU1"):
         parse_topology(text, host="h")
 
