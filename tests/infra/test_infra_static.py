@@ -99,6 +99,13 @@ def test_llmctl_infra_end_to_end(
     assert code == 0
     assert out == inventory.read_text()
 
+    # The round trip the issue asks for: `llmctl inventory -i <generated>` reads the same fleet.
+    code, out, err = _llmctl(capsys, "inventory", "-i", str(inventory), "--output", "json")
+    assert code == 0, err
+    nodes = {n["name"]: n for n in json.loads(out)["nodes"]}
+    assert [len(nodes[n]["gpus"]) for n in ("gpu-a1", "gpu-a2", "gpu-c1")] == [8, 8, 2]
+    assert nodes["gpu-c1"]["address"] == "10.20.0.31"
+
     # Applying again changes nothing.
     code, out, err = _llmctl(capsys, "infra", "plan", "-C", str(workdir))
     assert code == 0, err
