@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from enum import StrEnum
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, SecretStr
 
 from controlplane.engines.base import EngineLaunch
+from controlplane.errors import LaunchError
 from controlplane.weights import WeightsPolicy
 
-__all__ = ["Launcher", "ProcessState", "ReplicaProcess"]
+__all__ = ["Launcher", "ProcessState", "ReplicaProcess", "write_env_file"]
 
 
 class ProcessState(StrEnum):
@@ -71,3 +73,22 @@ class Launcher(Protocol):
     def logs(self, handle: dict[str, str], *, follow: bool = False, tail: int = 200) -> Iterator[str]:
         """The replica's log lines: the last ``tail``, then new ones while it runs if ``follow``."""
         ...
+
+
+def write_env_file(path: Path, secret_env: dict[str, SecretStr]) -> None:
+    """Write secrets for ``docker --env-file`` / systemd ``EnvironmentFile`` (``KEY=VALUE``), mode 0600.
+
+    The file is created 0600 before anything is written, so the secret is never world-readable, not
+    even for an instant. Values are taken literally by both readers, so a newline cannot be encoded.
+    """
+    lines = []
+    for key, value in sorted(secret_env.items()):
+        text = value.get_secret_value()
+        if "\n" in text or "\r" in text or not key.isidentifier():
+            raise LaunchError(f"secret {key} cannot be written to an env file (bad name or a newline in it)")
+        lines.append(f"{key}={text}\n")
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)  # O_CREAT's mode does not apply to an existing file
+        f.write("".join(lines))

@@ -129,3 +129,19 @@ def test_preferred_port_in_use_is_refused(launcher: LocalLauncher) -> None:
 def test_missing_executable_is_a_launch_error(launcher: LocalLauncher) -> None:
     with pytest.raises(LaunchError, match="cannot start r-4"):
         launcher.start("r-4", EngineLaunch(argv=["/nonexistent/engine"], port=1))
+
+
+def test_env_file_is_0600_and_holds_the_secret(tmp_path: Path) -> None:
+    from pydantic import SecretStr
+
+    from controlplane.launchers.base import write_env_file
+
+    path = tmp_path / "run" / "r.env"
+    path.parent.mkdir()
+    path.write_text("old")
+    path.chmod(0o644)
+    write_env_file(path, {"VLLM_API_KEY": SecretStr("sk-1")})
+    assert path.read_text() == "VLLM_API_KEY=sk-1\n"
+    assert path.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(LaunchError, match="newline"):
+        write_env_file(path, {"K": SecretStr("a\nB=c")})
