@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures.common import need_binary
+from fixtures.common import need, need_binary
 
 REPO = Path(__file__).resolve().parents[2]
 MODULES = sorted(p for p in (REPO / "infra" / "modules").iterdir() if p.is_dir())
@@ -21,7 +21,10 @@ TYPE_WORDS = {"string", "number", "bool", "any", "list", "map", "set", "object",
 
 
 def _hcl(path: Path) -> dict[str, Any]:
-    hcl2 = pytest.importorskip("hcl2", reason="python-hcl2 is in the provision extra")
+    try:
+        import hcl2
+    except ImportError:
+        need(False, "python-hcl2 is not installed (it is in the provision extra)")
     with path.open() as fh:
         data: dict[str, Any] = hcl2.load(fh)
     return data

@@ -32,7 +32,7 @@ run "plans_nodes_volumes_and_inventory" {
     error_message = "expected 3 GPU and 3 service instances"
   }
   assert {
-    condition     = keys(openstack_blockstorage_volume_v3.model_cache) == ["sarv-test-l40s-1"]
+    condition     = jsonencode(keys(openstack_blockstorage_volume_v3.model_cache)) == jsonencode(["sarv-test-l40s-1"])
     error_message = "only volume-backed pools get a Cinder volume"
   }
   assert {
