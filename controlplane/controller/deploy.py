@@ -318,7 +318,8 @@ class Deployer:
             for item in list(pending):
                 rec = item.record
                 proc = item.launcher.poll(rec.handle)
-                if proc.state is not ProcessState.RUNNING:
+                # A restart while loading is a crash during start-up too (the supervisor hides it).
+                if proc.state is not ProcessState.RUNNING or proc.restarts:
                     tail = [ln for ln in item.launcher.logs(rec.handle, tail=40) if ln.strip()]
                     last = _last_error(tail)
                     code = f" with code {proc.exit_code}" if proc.exit_code is not None else ""
@@ -389,6 +390,8 @@ class Deployer:
                 message = f"process {rec.handle.get('pid', '?')} is not running{code}"
             elif rec.endpoint and _http_ready(f"{rec.endpoint}/health", self.api_key):
                 new_state, message = ReplicaState.READY, ""
+                if proc.restarts:
+                    message = f"restarted {proc.restarts}× after crashes (last exit code {proc.exit_code})"
             elif rec.state is ReplicaState.READY:
                 new_state, message = ReplicaState.UNHEALTHY, "health check failed"
             if (new_state, message) != (rec.state, rec.message):

@@ -32,6 +32,9 @@ class ReplicaProcess(BaseModel):
 
     state: ProcessState
     exit_code: int | None = None
+    """Exit code of the process, or of the engine's last crash when it was restarted."""
+    restarts: int = 0
+    """Times the launcher restarted the engine after a crash."""
     detail: str = ""
 
 

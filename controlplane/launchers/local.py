@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -48,6 +51,19 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def _supervisor_status(handle: dict[str, str]) -> tuple[int, int | None]:
+    """``(restarts, last exit code)`` from the supervisor's status file; ``(0, None)`` when unsupervised."""
+    path = handle.get("status")
+    if not path:
+        return 0, None
+    try:
+        data = json.loads(Path(path).read_text())
+        code = data.get("last_exit_code")
+        return int(data.get("restarts", 0)), int(code) if code is not None else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0, None
+
+
 def port_in_use(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
@@ -67,10 +83,12 @@ class LocalLauncher:
 
     name = "local"
 
-    def __init__(self, home: Path, model_cache: Path, *, host: str = "127.0.0.1") -> None:
+    def __init__(self, home: Path, model_cache: Path, *, host: str = "127.0.0.1", restarts: int = 3) -> None:
         self.home = home
         self.model_cache = model_cache
         self.host = host
+        self.restarts = restarts
+        """Restarts after a crash (by ``controlplane.launchers.supervisor``); 0 runs the engine bare."""
         # Children started by this object, so their exit codes can be collected (and zombies reaped).
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._started: dict[int, str] = {}
@@ -102,6 +120,10 @@ class LocalLauncher:
         return ensure_weights(source, model, self.model_cache, policy=policy, progress=progress)
 
     def start(self, replica_id: str, launch: EngineLaunch) -> dict[str, str]:
+        if shutil.which(launch.argv[0]) is None:
+            raise LaunchError(
+                f"cannot start {replica_id}: {launch.argv[0]} is not an executable on this host"
+            )
         run = self.run_dir(replica_id)
         run.mkdir(parents=True, exist_ok=True, mode=0o700)
         log = run / "replica.log"
@@ -113,9 +135,24 @@ class LocalLauncher:
             # argv never holds secrets (they travel in secret_env), so it is safe to log.
             out.write(f"=== sarv: {stamp} starting {replica_id}: {shlex.join(launch.argv)!r}\n".encode())
             out.flush()
+            argv = launch.argv
+            status = run / "supervisor.json"
+            if self.restarts > 0:
+                status.unlink(missing_ok=True)
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "controlplane.launchers.supervisor",
+                    "--restarts",
+                    str(self.restarts),
+                    "--status",
+                    str(status),
+                    "--",
+                    *launch.argv,
+                ]
             try:
                 proc = subprocess.Popen(
-                    launch.argv,
+                    argv,
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
@@ -135,6 +172,7 @@ class LocalLauncher:
             "pid": str(proc.pid),
             "start_time": ident[2] if ident else "",
             "log": str(log),
+            **({"status": str(status)} if self.restarts > 0 else {}),
         }
 
     def _identity(self, handle: dict[str, str]) -> tuple[int, str]:
@@ -166,7 +204,8 @@ class LocalLauncher:
         ident = process_identity(pid)
         if ident is not None and ident[0] == "Z":
             return ReplicaProcess(state=ProcessState.EXITED)
-        return ReplicaProcess(state=ProcessState.RUNNING)
+        restarts, last = _supervisor_status(handle)
+        return ReplicaProcess(state=ProcessState.RUNNING, restarts=restarts, exit_code=last)
 
     def stop(self, handle: dict[str, str], *, timeout: float = 30.0) -> None:
         pid, how = self._identity(handle)

@@ -41,9 +41,9 @@ def _alive(pid: int) -> bool:
     return ident is not None and ident[0] != "Z"
 
 
-@pytest.fixture
-def launcher(tmp_path: Path) -> LocalLauncher:
-    return LocalLauncher(tmp_path / "home", tmp_path / "models")
+@pytest.fixture(params=[0, 3], ids=["bare", "supervised"])
+def launcher(tmp_path: Path, request: pytest.FixtureRequest) -> LocalLauncher:
+    return LocalLauncher(tmp_path / "home", tmp_path / "models", restarts=request.param)
 
 
 def test_start_poll_logs_stop_kills_the_whole_group(launcher: LocalLauncher) -> None:
@@ -79,7 +79,8 @@ def test_secret_env_reaches_the_process_but_not_the_log(launcher: LocalLauncher)
     launcher.stop(handle)
 
 
-def test_exit_code_of_a_crashing_process(launcher: LocalLauncher) -> None:
+def test_exit_code_of_a_crashing_process(tmp_path: Path) -> None:
+    launcher = LocalLauncher(tmp_path / "home", tmp_path / "models", restarts=0)
     launch = EngineLaunch(argv=[sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], port=1)
     handle = launcher.start("r-2", launch)
     _wait(lambda: launcher.poll(handle).state is not ProcessState.RUNNING)
@@ -127,6 +128,7 @@ def test_preferred_port_in_use_is_refused(launcher: LocalLauncher) -> None:
 
 
 def test_missing_executable_is_a_launch_error(launcher: LocalLauncher) -> None:
+    # Checked before anything starts, with or without a supervisor in between.
     with pytest.raises(LaunchError, match="cannot start r-4"):
         launcher.start("r-4", EngineLaunch(argv=["/nonexistent/engine"], port=1))
 
@@ -145,3 +147,39 @@ def test_env_file_is_0600_and_holds_the_secret(tmp_path: Path) -> None:
     assert path.stat().st_mode & 0o777 == 0o600
     with pytest.raises(LaunchError, match="newline"):
         write_env_file(path, {"K": SecretStr("a\nB=c")})
+
+
+_CRASH_ONCE = """
+import pathlib, sys, time
+marker = pathlib.Path("crashed-once")
+if not marker.exists():
+    marker.write_text("x")
+    print("crashing", flush=True)
+    sys.exit(5)
+print("second life", flush=True)
+time.sleep(300)
+"""
+
+
+def test_supervisor_restarts_a_crashed_engine_and_reports_it(tmp_path: Path) -> None:
+    launcher = LocalLauncher(tmp_path / "home", tmp_path / "models", restarts=3)
+    handle = launcher.start("r-5", EngineLaunch(argv=[sys.executable, "-c", _CRASH_ONCE], port=1))
+    try:
+        _wait(lambda: "second life" in list(launcher.logs(handle)))
+        proc = launcher.poll(handle)
+        assert proc.state is ProcessState.RUNNING
+        assert (proc.restarts, proc.exit_code) == (1, 5)
+        assert "engine exited with code 5; restart 1/3" in "\n".join(launcher.logs(handle))
+    finally:
+        launcher.stop(handle, timeout=10)
+    assert launcher.poll(handle).state is ProcessState.GONE
+
+
+def test_supervisor_gives_up_after_its_restarts(tmp_path: Path) -> None:
+    launcher = LocalLauncher(tmp_path / "home", tmp_path / "models", restarts=1)
+    launch = EngineLaunch(argv=[sys.executable, "-c", "import sys; sys.exit(4)"], port=1)
+    handle = launcher.start("r-6", launch)
+    _wait(lambda: launcher.poll(handle).state is not ProcessState.RUNNING)
+    proc = launcher.poll(handle)
+    assert (proc.state, proc.exit_code) == (ProcessState.EXITED, 4)
+    launcher.stop(handle)
