@@ -6,10 +6,11 @@ import bisect
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from controlplane.spec import Fleet, Interconnect, Node, Shard
 
-__all__ = ["LINK_NAMES", "FleetIndex", "GpuType", "Slot", "group_level", "link_name"]
+__all__ = ["LINK_NAMES", "FleetIndex", "GpuType", "Slot", "gpu_mask", "group_level", "link_name"]
 
 # Link levels of a TP group, best first: every pair on NVLink, behind one PCIe switch, on one NUMA node.
 NVLINK, PCIE_SWITCH, NUMA, CROSS_NUMA = 3, 2, 1, 0
@@ -19,10 +20,11 @@ LINK_NAMES = {NVLINK: "nvlink", PCIE_SWITCH: "pcie-switch", NUMA: "numa", CROSS_
 _MAX_COMBINATIONS = 256
 
 
-@dataclass(frozen=True, slots=True)
-class GpuType:
+class GpuType(NamedTuple):
     """GPUs that are interchangeable for memory: same product name and size."""
 
+    # A NamedTuple rather than a frozen dataclass: it is a dict key on the planner's hot path and
+    # tuple hashing is done in C.
     model: str
     memory_mib: int
 
@@ -44,8 +46,11 @@ class Slot:
     """GPUs that exist but cannot be used, with why (a placed replica, memory in use)."""
     levels: dict[tuple[int, int], int]
     """Link level of each GPU pair (i < j)."""
-    topology_key: tuple[object, ...]
-    """Equal for nodes wired the same way, so group choices can be shared between them."""
+    topology: int
+    """Equal for slots wired the same way (same GPU type, indices and links), so group choices and
+    scores can be shared between them."""
+    free_mask: int = 0
+    """``free`` as a bit mask (bit i = GPU i), kept in step with it: a cheap cache key."""
 
     @property
     def name(self) -> str:
@@ -100,6 +105,8 @@ class FleetIndex:
         for shard in placed:
             taken.setdefault(shard.node, set()).update(shard.gpus)
         slots: list[Slot] = []
+        # Pair levels per distinct wiring: a 1,000-node fleet usually has a handful.
+        topologies: dict[tuple[object, ...], tuple[int, dict[tuple[int, int], int]]] = {}
         for node in sorted(fleet.nodes, key=lambda n: n.name):
             by_type: dict[GpuType, list[int]] = {}
             for gpu in node.gpus:
@@ -115,22 +122,26 @@ class FleetIndex:
                     elif gpus[i].memory_free_mib < need:
                         # vLLM refuses to start when free memory is below utilization × total.
                         blocked[i] = f"{gpus[i].memory_free_mib / 1024:.1f} GiB free < {need / 1024:.1f} GiB"
-                levels = _pair_levels(node, indices)
-                key = (
-                    gpu_type,
-                    indices,
-                    tuple(sorted(levels.items())),
+                signature = tuple(
+                    (i, tuple(sorted(gpus[i].nvlink_peers)), gpus[i].pcie_switch, gpus[i].numa_node)
+                    for i in indices
                 )
+                key = (gpu_type, node.interconnect, signature)
+                if key not in topologies:
+                    topologies[key] = (len(topologies), _pair_levels(node, indices))
+                topology, levels = topologies[key]
+                free = {i for i in indices if i not in blocked}
                 slots.append(
                     Slot(
                         rank=len(slots),
                         node=node,
                         gpu_type=gpu_type,
                         indices=indices,
-                        free={i for i in indices if i not in blocked},
+                        free=free,
                         blocked=blocked,
                         levels=levels,
-                        topology_key=key,
+                        topology=topology,
+                        free_mask=gpu_mask(free),
                     )
                 )
         self.slots = slots
@@ -142,7 +153,7 @@ class FleetIndex:
             tb.largest = max(tb.largest, slot.size)
             tb.buckets[len(slot.free)].append(slot.rank)  # ranks arrive ascending
         self._log: list[tuple[Slot, tuple[int, ...]]] = []
-        self._groups: dict[tuple[object, frozenset[int], int], tuple[tuple[int, ...], int]] = {}
+        self._groups: dict[tuple[int, int, int], tuple[tuple[int, ...], int]] = {}
 
     # --- queries
 
@@ -171,14 +182,16 @@ class FleetIndex:
             for rank in tb.buckets[n]:
                 yield self.slots[rank]
 
-    def best_group(self, slot: Slot, free: set[int], k: int) -> tuple[tuple[int, ...], int] | None:
-        """The best ``k`` GPUs of ``free`` for one TP group, and their link level; None if too few."""
-        if len(free) < k:
-            return None
-        key = (slot.topology_key, frozenset(free), k)
+    def best_group(self, slot: Slot, free_mask: int, k: int) -> tuple[tuple[int, ...], int] | None:
+        """The best ``k`` of the GPUs in ``free_mask`` for one TP group, and their link level; None
+        if there are fewer than ``k``."""
+        key = (slot.topology, free_mask, k)
         hit = self._groups.get(key)
         if hit is None:
-            hit = self._search_group(slot, sorted(free), k)
+            free = [i for i in slot.indices if free_mask >> i & 1]
+            if len(free) < k:
+                return None
+            hit = self._search_group(slot, free, k)
             self._groups[key] = hit
         return hit
 
@@ -234,7 +247,15 @@ class FleetIndex:
             slot.free.update(gpus)
         else:
             slot.free.difference_update(gpus)
+        slot.free_mask = gpu_mask(slot.free)
         bisect.insort(tb.buckets[len(slot.free)], slot.rank)
+
+
+def gpu_mask(indices: set[int] | Sequence[int]) -> int:
+    mask = 0
+    for i in indices:
+        mask |= 1 << i
+    return mask
 
 
 def _greedy_group(levels: dict[tuple[int, int], int], free: list[int], k: int) -> tuple[int, ...]:

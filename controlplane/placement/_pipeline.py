@@ -63,13 +63,11 @@ class Candidate:
 
     def used_after(self) -> list[float]:
         """Fraction of each stage's node (GPU type) in use once this candidate is taken."""
-        taken: dict[int, int] = {}
-        for slot, gpus in self.stages:
-            taken[slot.rank] = taken.get(slot.rank, 0) + len(gpus)
-        return [
-            (slot.size - len(slot.free) + taken[slot.rank]) / slot.size
-            for slot in {s.rank: s for s, _ in self.stages}.values()
-        ]
+        if len(self.stages) == 1 or self.stages[0][0] is self.stages[-1][0]:
+            slot = self.stages[0][0]
+            taken = sum(len(g) for _, g in self.stages)
+            return [(slot.size - len(slot.free) + taken) / slot.size]
+        return [(slot.size - len(slot.free) + len(g)) / slot.size for slot, g in self.stages]
 
 
 class SlotFilter(Protocol):
@@ -123,11 +121,12 @@ class MemoryFilter:
     def __call__(self, slots: Sequence[Slot], ctx: PlacementContext) -> tuple[list[Slot], list[str]]:
         keep: list[Slot] = []
         reasons: list[str] = []
+        fits = {t: e.fits for t, e in ctx.estimates.items()}
         for slot in slots:
-            est = ctx.estimates.get(slot.gpu_type)
-            if est is not None and est.fits:
+            if fits.get(slot.gpu_type, False):
                 keep.append(slot)
                 continue
+            est = ctx.estimates.get(slot.gpu_type)
             if est is None:
                 reasons.append(f"{slot.name}: {slot.gpu_type} cannot hold {ctx.model.name} at pp={ctx.pp}")
                 continue
@@ -231,4 +230,6 @@ class MemoryFitScorer:
 
 
 def default_scorers(strategy: Strategy) -> list[Scorer]:
-    return [PackingScorer(strategy), TopologyScorer(), AntiAffinityScorer(), MemoryFitScorer()]
+    # No MemoryFitScorer here: the planner already tries GPU types tightest fit first and scores the
+    # nodes of one type at a time, where it is constant. It is kept for custom pipelines.
+    return [PackingScorer(strategy), TopologyScorer(), AntiAffinityScorer()]

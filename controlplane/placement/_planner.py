@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -65,6 +65,18 @@ class _Job:
     model: ModelSpec
     length: int
     quant: Quantization
+    key: tuple[object, ...]
+    """Everything the memory estimate depends on, so equal deployments share cached estimates."""
+
+
+def _job(spec: DeploymentSpec, model: ModelSpec, length: int, quant: Quantization) -> _Job:
+    mnbt = spec.engine_args.get("max_num_batched_tokens")
+    tokens = mnbt if isinstance(mnbt, int) and not isinstance(mnbt, bool) else None
+    key = (
+        model.name, model.num_params, model.num_layers, spec.tp, quant, length, spec.concurrency,
+        spec.gpu_memory_utilization, spec.dtype, spec.kv_cache_dtype, tokens,
+    )  # fmt: skip
+    return _Job(spec, model, length, quant, key)
 
 
 @dataclass(slots=True)
@@ -130,6 +142,7 @@ class Planner:
         self._scorers = list(scorers) if scorers is not None else None
         self.window = window
         self._estimates: dict[tuple[object, ...], MemoryEstimate] = {}
+        self._fit_cache: dict[tuple[object, ...], bool] = {}
         self._pp_mins: dict[tuple[object, ...], int | None] = {}
         self._largest_node = max((s.size for s in self.index.slots), default=0)
 
@@ -148,10 +161,10 @@ class Planner:
         if spec.quantization is Quantization.AUTO:
             attempt = self._plan_auto(spec, model, length, avoid_nodes)
         else:
-            attempt = self._place_all(_Job(spec, model, length, spec.quantization), avoid_nodes)
+            attempt = self._place_all(_job(spec, model, length, spec.quantization), avoid_nodes)
         notes = attempt.notes
         if explain and not attempt.unplaced:  # when unplaced, the reasons already go node by node
-            job = _Job(spec, model, length, attempt.quantization)
+            job = _job(spec, model, length, attempt.quantization)
             notes = [*notes, *(f"not chosen: {line}" for line in self._node_reasons(job)[:MAX_REASON_LINES])]
         return Plan(
             model=model.name,
@@ -162,18 +175,35 @@ class Planner:
             notes=notes,
         )
 
-    def min_gpus(self, spec: DeploymentSpec, model: ModelSpec) -> int:
-        """Fewest GPUs one replica needs on any GPU type of the fleet (0 when none can hold it)."""
+    def gpu_counts(self, spec: DeploymentSpec, model: ModelSpec) -> dict[GpuType, int]:
+        """GPUs one replica needs on each GPU type that can hold it (its first variant that fits any)."""
         length = spec.max_model_len or model.max_model_len
         quants = model.quantizations if spec.quantization is Quantization.AUTO else [spec.quantization]
-        best = 0
         for quant in quants:
-            job = _Job(spec, model, length, quant)
+            job = _job(spec, model, length, quant)
+            counts: dict[GpuType, int] = {}
             for gpu_type in self.index.gpu_types():
                 pp = spec.pp or self._pp_min(job, gpu_type)
-                if pp and self._estimate(job, gpu_type, pp).fits:
-                    best = min(best, spec.tp * pp) if best else spec.tp * pp
-        return best
+                if pp and self._fits(job, gpu_type, pp):
+                    counts[gpu_type] = spec.tp * pp
+            if counts:
+                return counts
+        return {}
+
+    def order_key(self, spec: DeploymentSpec, model: ModelSpec) -> tuple[object, ...]:
+        """Sort key for placing many deployments: highest regret first, then largest first.
+
+        Regret is how many more GPUs a replica needs on its other GPU types than on its best one,
+        compared second-best first (a replica that fits one type only has no alternative at all).
+        Placing those first keeps the GPU types they are cheap on for them; among equals,
+        first-fit decreasing (most GPUs first) packs best.
+        """
+        counts = sorted(self.gpu_counts(spec, model).values())
+        if not counts:
+            return (1, (), 0)  # cannot be placed anywhere: last, its reasons come out the same
+        if len(counts) == 1:
+            return (0, (-(1 << 20),), -counts[0])
+        return (0, tuple(counts[0] - c for c in counts[1:]), -counts[0])
 
     # --- quantization
 
@@ -184,7 +214,7 @@ class Planner:
         tried: list[_Attempt] = []
         for quant in model.quantizations:
             mark = self.index.mark()
-            attempt = self._place_all(_Job(spec, model, length, quant), avoid)
+            attempt = self._place_all(_job(spec, model, length, quant), avoid)
             if attempt.unplaced == 0:
                 why = ""
                 if tried:
@@ -202,7 +232,7 @@ class Planner:
             self.index.rollback(mark)
         # Nothing places everything: keep the variant that places the most (highest precision on ties).
         best = max(tried, key=lambda a: len(a.replicas))
-        attempt = self._place_all(_Job(spec, model, length, best.quantization), avoid)
+        attempt = self._place_all(_job(spec, model, length, best.quantization), avoid)
         attempt.notes.insert(
             0,
             f"quantization auto: no variant places all {spec.replicas} replica(s); {best.quantization.value} "
@@ -246,16 +276,21 @@ class Planner:
                 attempt.notes.append(self._layout_note(job, cand, across=across, replica=i))
         return attempt
 
-    def _layouts(self, job: _Job) -> list[tuple[int, bool]]:
+    def _layouts(self, job: _Job) -> Iterator[tuple[int, bool]]:
         """(pp, across nodes) to try, in order: the user's pp, else one node at the smallest pp that
         fits and only then across nodes (vLLM's layout: tp GPUs on each of pp nodes), because crossing
         nodes costs ~20x per all-reduce."""
         spec, layers, tp = job.spec, job.model.num_layers, job.spec.tp
         if spec.pp is not None:
-            return [(spec.pp, False)] + ([(spec.pp, True)] if spec.pp > 1 else [])
-        intra = [(pp, False) for pp in range(1, min(layers, self._largest_node // tp) + 1)]
+            yield spec.pp, False
+            if spec.pp > 1:
+                yield spec.pp, True
+            return
+        for pp in range(1, min(layers, self._largest_node // tp) + 1):
+            yield pp, False
         most_nodes = max((self.index.count_with_free(t, tp) for t in self.index.gpu_types()), default=0)
-        return intra + [(pp, True) for pp in range(2, min(layers, most_nodes) + 1)]
+        for pp in range(2, min(layers, most_nodes) + 1):
+            yield pp, True
 
     def _place_one(self, job: _Job, used: set[str]) -> tuple[Candidate, bool] | None:
         tp = job.spec.tp
@@ -283,21 +318,32 @@ class Planner:
 
     def _could_fit(self, job: _Job, t: GpuType, pp: int) -> bool:
         pp_min = self._pp_min(job, t)
-        return pp_min is not None and pp >= pp_min and self._estimate(job, t, pp).fits
+        if pp_min is None:
+            return False
+        if job.spec.pp is None:
+            # Auto pp: a type that fits at a smaller pp had no room for it, so it has none for this
+            # (larger) layout either; using it here would only spend more of its GPUs.
+            return pp == pp_min
+        return pp >= pp_min and self._fits(job, t, pp)
 
     def _best_candidate(self, ctx: PlacementContext) -> Candidate | None:
         scorers = self._scorers if self._scorers is not None else default_scorers(ctx.spec.strategy)
         total_weight = sum(s.weight for s in scorers) or 1.0
-        best: Candidate | None = None
-        best_score = -1.0
-        for gpu_type in sorted(ctx.estimates, key=lambda t: (t.model, t.memory_mib)):
+        # GPU types in order of tightest fit: the smallest per-GPU budget that holds this layout
+        # first, so larger GPUs stay free for the models that need fewer of them there (a 70B at
+        # tp=4 fits 40 GB GPUs; taking 80 GB ones would push a later tp=2 70B onto 6 GPUs).
+        for gpu_type in sorted(ctx.estimates, key=lambda t: (t.memory_mib, t.model)):
+            best: Candidate | None = None
+            best_score = -1.0
             for cand in self._candidates(ctx, gpu_type):
                 score = sum(s.weight * s.score(cand, ctx) for s in scorers) / total_weight
                 # Strictly better only: on a tie the earlier candidate (strategy order, then node
                 # name) stays, which keeps plans deterministic.
                 if score > best_score + 1e-12:
                     best, best_score = cand, score
-        return best
+            if best is not None:
+                return best
+        return None
 
     def _window(self, ctx: PlacementContext, gpu_type: GpuType) -> list[Slot]:
         """Up to ``window`` surviving slots not hosting this deployment, plus a few that do."""
@@ -330,24 +376,32 @@ class Planner:
             stages: list[tuple[Slot, tuple[int, ...]]] = []
             level = NVLINK
             for slot in window[: ctx.pp]:
-                group = self.index.best_group(slot, slot.free, ctx.tp)
+                group = self.index.best_group(slot, slot.free_mask, ctx.tp)
                 if group is None:
                     return []
                 stages.append((slot, group[0]))
                 level = min(level, group[1])
             return [Candidate(tuple(stages), est, level)]
         out: list[Candidate] = []
+        # Slots wired alike, with the same free GPUs and the same anti-affinity standing, score the
+        # same; the first in strategy order wins ties anyway, so the rest need not be built.
+        seen: set[tuple[int, int, bool]] = set()
         for slot in window:
-            free = set(slot.free)
+            twin = (slot.topology, slot.free_mask, slot.name in ctx.avoid)
+            if twin in seen:
+                continue
+            seen.add(twin)
+            mask = slot.free_mask
             stages = []
             level = NVLINK
             for _ in range(ctx.pp):
-                group = self.index.best_group(slot, free, ctx.tp)
+                group = self.index.best_group(slot, mask, ctx.tp)
                 if group is None:
                     break
                 stages.append((slot, group[0]))
                 level = min(level, group[1])
-                free.difference_update(group[0])
+                for i in group[0]:
+                    mask &= ~(1 << i)
             if len(stages) == ctx.pp:
                 out.append(Candidate(tuple(stages), est, level))
         return out
@@ -355,17 +409,12 @@ class Planner:
     # --- memory
 
     def _estimate(self, job: _Job, t: GpuType, pp: int) -> MemoryEstimate:
-        spec, model = job.spec, job.model
-        mnbt = spec.engine_args.get("max_num_batched_tokens")
-        tokens = mnbt if isinstance(mnbt, int) and not isinstance(mnbt, bool) else None
-        key = (
-            model.name, model.num_params, spec.tp, pp, job.quant, t, job.length, spec.concurrency,
-            spec.gpu_memory_utilization, spec.dtype, spec.kv_cache_dtype, tokens,
-        )  # fmt: skip
+        key = (job.key, t, pp)
         hit = self._estimates.get(key)
         if hit is None:
+            spec = job.spec
             hit = estimate(
-                model,
+                job.model,
                 tp=spec.tp,
                 pp=pp,
                 gpu_memory_mib=t.memory_mib,
@@ -376,22 +425,25 @@ class Planner:
                 max_model_len=job.length,
                 concurrency=spec.concurrency,
                 gpu_memory_utilization=spec.gpu_memory_utilization,
-                max_num_batched_tokens=tokens,
+                max_num_batched_tokens=job.key[-1],  # type: ignore[arg-type]
             )
             self._estimates[key] = hit
+            self._fit_cache[key] = hit.fits
+        return hit
+
+    def _fits(self, job: _Job, t: GpuType, pp: int) -> bool:
+        key = (job.key, t, pp)
+        hit = self._fit_cache.get(key)
+        if hit is None:
+            hit = self._estimate(job, t, pp).fits
         return hit
 
     def _pp_min(self, job: _Job, t: GpuType) -> int | None:
         """Smallest pipeline depth at which one GPU of type ``t`` holds its share (None: none does)."""
-        spec = job.spec
-        key = (
-            job.model.name, job.model.num_params, spec.tp, job.quant, t, job.length, spec.concurrency,
-            spec.gpu_memory_utilization, spec.dtype, spec.kv_cache_dtype,
-            spec.engine_args.get("max_num_batched_tokens"),
-        )  # fmt: skip
+        key = (job.key, t)
         if key not in self._pp_mins:
             self._pp_mins[key] = next(
-                (pp for pp in range(1, job.model.num_layers + 1) if self._estimate(job, t, pp).fits), None
+                (pp for pp in range(1, job.model.num_layers + 1) if self._fits(job, t, pp)), None
             )
         return self._pp_mins[key]
 
@@ -508,17 +560,16 @@ def plan(
 def plan_many(fleet: Fleet, requests: Sequence[PlacementRequest], placed: Sequence[Shard] = ()) -> list[Plan]:
     """Place many deployments on one fleet; plans come back in request order.
 
-    Requests are placed largest replica first (first-fit decreasing packs better than arrival order);
-    GPU plans only (CPU engines go through :func:`plan_cpu`).
+    Requests are placed in :meth:`Planner.order_key` order (highest regret, then largest first), which
+    packs a mixed fleet far better than arrival order; GPU plans only (CPU engines: :func:`plan_cpu`).
     """
     utilization = max((r.spec.gpu_memory_utilization for r in requests), default=0.9)
     planner = Planner(fleet, placed, utilization=utilization)
     for req in requests:
         _check_request(req.spec, req.model)
-    # Sort key: most GPUs per replica first, then more replicas first; the input position keeps it stable.
+    # Sort key: see Planner.order_key; the input position keeps equal keys stable.
     order = sorted(
-        range(len(requests)),
-        key=lambda i: (-planner.min_gpus(requests[i].spec, requests[i].model), -requests[i].spec.replicas, i),
+        range(len(requests)), key=lambda i: (*planner.order_key(requests[i].spec, requests[i].model), i)
     )
     plans: dict[int, Plan] = {}
     for i in order:
