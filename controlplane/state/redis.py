@@ -1,0 +1,241 @@
+"""The Redis state store, standalone or Cluster: pydantic JSON in hashes, writes as atomic Lua scripts.
+
+Every key carries the same hash tag (``{sarv:}…``), so all state lives in one Cluster slot: each write
+updates a record and the revision counter in one atomic script, in Cluster as in standalone. The whole
+state is small (deployments, replicas, keys), so one slot is no capacity limit.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from controlplane.errors import ConfigError, StateError
+from controlplane.spec import DeploymentRecord, ReplicaRecord
+from controlplane.state.base import ApiKeyRecord
+from controlplane.state.url import RedisTarget
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from redis.commands.core import Script
+
+__all__ = ["RedisStore"]
+
+_T = TypeVar("_T")
+_M = TypeVar("_M", bound=BaseModel)
+
+_TIMEOUT_S = 5.0
+
+# KEYS[1] hash, KEYS[2] revision; ARGV[1] field, ARGV[2] JSON. Returns the new revision.
+_PUT = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return redis.call('INCR', KEYS[2])
+"""
+
+# KEYS[1] hash, KEYS[2] revision; ARGV[1] field. Returns 1 when something was deleted.
+_DELETE = """
+local n = redis.call('HDEL', KEYS[1], ARGV[1])
+if n > 0 then redis.call('INCR', KEYS[2]) end
+return n
+"""
+
+# KEYS[1] keys by hash, KEYS[2] hash by name, KEYS[3] revision; ARGV[1] hash, ARGV[2] name, ARGV[3] JSON.
+# A name points at one key: storing a new hash under a known name drops the old key (rotation), and
+# storing a known hash under a new name drops the old name.
+_PUT_KEY = """
+local old_hash = redis.call('HGET', KEYS[2], ARGV[2])
+if old_hash and old_hash ~= ARGV[1] then redis.call('HDEL', KEYS[1], old_hash) end
+local previous = redis.call('HGET', KEYS[1], ARGV[1])
+if previous then
+  local old_name = cjson.decode(previous)['name']
+  if old_name ~= ARGV[2] then redis.call('HDEL', KEYS[2], old_name) end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[1])
+return redis.call('INCR', KEYS[3])
+"""
+
+
+class RedisStore:
+    """:class:`~controlplane.state.base.StateStore` on Redis or Redis Cluster (redis-py's clients).
+
+    The client is created on first use, so constructing a store never touches the network; every
+    failure surfaces as :class:`StateError` naming the URL without its password.
+    """
+
+    def __init__(
+        self,
+        target: RedisTarget,
+        *,
+        shown_url: str,
+        prefix: str = "sarv:",
+        tls_ca: Path | None = None,
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
+    ) -> None:
+        if "{" in prefix or "}" in prefix:
+            raise ConfigError(
+                f"state_prefix {prefix!r} must not contain braces (they form the Cluster hash tag)"
+            )
+        for name, path in (
+            ("redis_tls_ca", tls_ca),
+            ("redis_tls_cert", tls_cert),
+            ("redis_tls_key", tls_key),
+        ):
+            if path is not None and not path.is_file():
+                raise ConfigError(f"{name} {path} does not exist or is not a file")
+        self._target = target
+        self._shown = shown_url
+        self._tls = (tls_ca, tls_cert, tls_key)
+        tag = "{" + prefix + "}"
+        self._deployments = tag + "deployments"
+        self._replicas = tag + "replicas"
+        self._keys = tag + "apikeys"
+        self._key_names = tag + "apikey-names"
+        self._revision = tag + "revision"
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._scripts: dict[str, Script] = {}
+
+    # --- plumbing
+
+    def _connect(self) -> Any:
+        import redis
+        from redis.cluster import ClusterNode, RedisCluster
+
+        t = self._target
+        ca, cert, key = self._tls
+        options: dict[str, Any] = {
+            "username": t.username,
+            "password": t.password,
+            "socket_timeout": _TIMEOUT_S,
+            "socket_connect_timeout": _TIMEOUT_S,
+            "decode_responses": True,
+        }
+        if t.tls:
+            options.update(ssl=True, ssl_ca_certs=ca and str(ca), ssl_certfile=cert and str(cert))
+            options.update(ssl_keyfile=key and str(key), ssl_cert_reqs="required")
+        if t.cluster:
+            nodes = [ClusterNode(host, port) for host, port in t.nodes]
+            return RedisCluster(startup_nodes=nodes, **options)
+        host, port = t.nodes[0]
+        return redis.Redis(host=host, port=port, db=t.db, **options)
+
+    def _call(self, fn: Callable[[Any], _T]) -> _T:
+        from redis.exceptions import RedisClusterException, RedisError
+
+        try:
+            with self._lock:
+                if self._client is None:
+                    self._client = self._connect()
+                    self._scripts = {
+                        name: self._client.register_script(src)
+                        for name, src in (("put", _PUT), ("delete", _DELETE), ("put_key", _PUT_KEY))
+                    }
+                client = self._client
+            return fn(client)
+        except (RedisError, RedisClusterException, OSError) as exc:
+            raise StateError(f"state store {self._shown}: {self._scrub(exc)}", hint=_hint(exc)) from None
+
+    def _scrub(self, exc: BaseException) -> str:
+        text = str(exc) or type(exc).__name__
+        secret = self._target.password
+        return text.replace(secret, "***") if secret else text
+
+    def _script(self, name: str, keys: list[str], args: list[str]) -> Any:
+        return self._call(lambda _client: self._scripts[name](keys=keys, args=args))
+
+    def _load(self, model: type[_M], body: str) -> _M:
+        try:
+            return model.model_validate_json(body)
+        except ValidationError as exc:
+            raise StateError(
+                f"state store {self._shown}: a stored {model.__name__} no longer validates "
+                f"({exc.error_count()} errors)",
+                hint="it was written by another Sarv version; re-create the object",
+            ) from None
+
+    def _get(self, model: type[_M], key: str, field: str) -> _M | None:
+        body = self._call(lambda c: c.hget(key, field))
+        return None if body is None else self._load(model, body)
+
+    def _values(self, model: type[_M], key: str) -> list[tuple[str, _M]]:
+        items: dict[str, str] = self._call(lambda c: c.hgetall(key))
+        return [(k, self._load(model, v)) for k, v in sorted(items.items())]
+
+    # --- deployments
+
+    def put_deployment(self, record: DeploymentRecord) -> None:
+        self._script("put", [self._deployments, self._revision], [record.name, record.model_dump_json()])
+
+    def get_deployment(self, name: str) -> DeploymentRecord | None:
+        return self._get(DeploymentRecord, self._deployments, name)
+
+    def list_deployments(self) -> list[DeploymentRecord]:
+        return [r for _, r in self._values(DeploymentRecord, self._deployments)]
+
+    def delete_deployment(self, name: str) -> bool:
+        return bool(self._script("delete", [self._deployments, self._revision], [name]))
+
+    # --- replicas
+
+    def put_replica(self, record: ReplicaRecord) -> None:
+        self._script("put", [self._replicas, self._revision], [record.id, record.model_dump_json()])
+
+    def get_replica(self, replica_id: str) -> ReplicaRecord | None:
+        return self._get(ReplicaRecord, self._replicas, replica_id)
+
+    def list_replicas(self, deployment: str | None = None) -> list[ReplicaRecord]:
+        records = [r for _, r in self._values(ReplicaRecord, self._replicas)]
+        return records if deployment is None else [r for r in records if r.deployment == deployment]
+
+    def delete_replica(self, replica_id: str) -> bool:
+        return bool(self._script("delete", [self._replicas, self._revision], [replica_id]))
+
+    # --- API keys
+
+    def put_api_key(self, record: ApiKeyRecord) -> None:
+        """Store ``record``; a key with the same name but another hash is replaced (key rotation)."""
+        self._script(
+            "put_key",
+            [self._keys, self._key_names, self._revision],
+            [record.key_hash, record.name, record.model_dump_json()],
+        )
+
+    def get_api_key(self, key_hash: str) -> ApiKeyRecord | None:
+        return self._get(ApiKeyRecord, self._keys, key_hash)
+
+    def get_api_key_by_name(self, name: str) -> ApiKeyRecord | None:
+        key_hash = self._call(lambda c: c.hget(self._key_names, name))
+        return None if key_hash is None else self.get_api_key(key_hash)
+
+    def list_api_keys(self) -> list[ApiKeyRecord]:
+        return sorted((r for _, r in self._values(ApiKeyRecord, self._keys)), key=lambda r: r.name)
+
+    # --- change feed and lifecycle
+
+    def revision(self) -> int:
+        value = self._call(lambda c: c.get(self._revision))
+        return int(value or 0)
+
+    def ping(self) -> None:
+        self._call(lambda c: c.ping())
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
+def _hint(exc: BaseException) -> str | None:
+    name = type(exc).__name__
+    if "Authentication" in name or "NOPERM" in str(exc) or "WRONGPASS" in str(exc):
+        return "check redis_username / redis_password (or the URL's user:password) and the ACL"
+    if "Connection" in name or "Timeout" in name or isinstance(exc, OSError):
+        return "is the server running and reachable from this host?"
+    return None

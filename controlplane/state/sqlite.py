@@ -1,0 +1,253 @@
+"""The embedded state store: one SQLite file (WAL, mode 0600), safe across threads and processes."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import stat
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from controlplane.errors import StateError
+from controlplane.spec import DeploymentRecord, ReplicaRecord
+from controlplane.state.base import ApiKeyRecord
+
+__all__ = ["SCHEMA_VERSION", "SqliteStore"]
+
+_T = TypeVar("_T")
+_M = TypeVar("_M", bound=BaseModel)
+
+SCHEMA_VERSION = 1
+"""``PRAGMA user_version`` of the layout below; a file from a newer Sarv is refused, never rewritten."""
+
+# Version n's statements take a file from version n - 1 to n. Append, never edit a released step.
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: (
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL)",
+        "INSERT INTO meta (key, value) VALUES ('revision', 0)",
+        "CREATE TABLE deployments (name TEXT PRIMARY KEY, body TEXT NOT NULL)",
+        "CREATE TABLE replicas (id TEXT PRIMARY KEY, deployment TEXT NOT NULL, body TEXT NOT NULL)",
+        "CREATE INDEX replicas_by_deployment ON replicas (deployment)",
+        "CREATE TABLE api_keys (key_hash TEXT PRIMARY KEY, name TEXT NOT NULL UNIQUE, body TEXT NOT NULL)",
+    ),
+}
+
+_BUSY_TIMEOUT_MS = 30_000
+
+
+class SqliteStore:
+    """:class:`~controlplane.state.base.StateStore` on a SQLite file.
+
+    One connection per store, serialised by a lock (threads); SQLite's file locks with a busy timeout
+    and ``BEGIN IMMEDIATE`` writes (processes). Every write bumps ``meta.revision`` in its own
+    transaction, so a reader that sees a revision also sees the write that made it.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._conn = self._guard(self._open)
+
+    # --- plumbing
+
+    def _guard(self, fn: Callable[[], _T]) -> _T:
+        try:
+            return fn()
+        except sqlite3.Error as exc:
+            raise StateError(f"state file {self.path}: {exc}", hint=_hint(exc)) from None
+
+    def _open(self) -> sqlite3.Connection:
+        _create_private(self.path)
+        conn = sqlite3.connect(
+            self.path, timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+        )
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+            conn.execute("PRAGMA journal_mode = WAL")
+            # NORMAL is durable in WAL mode except for the last transactions on power loss.
+            conn.execute("PRAGMA synchronous = NORMAL")
+            conn.execute("PRAGMA foreign_keys = ON")
+            self._migrate(conn)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _migrate(self, conn: sqlite3.Connection) -> None:
+        conn.execute("BEGIN IMMEDIATE")  # two processes opening a new file must not both migrate it
+        try:
+            version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+            if version > SCHEMA_VERSION:
+                raise StateError(
+                    f"state file {self.path} has schema version {version}, newer than this Sarv "
+                    f"supports ({SCHEMA_VERSION}); upgrade Sarv or point state_url elsewhere"
+                )
+            for step in range(version + 1, SCHEMA_VERSION + 1):
+                for statement in _MIGRATIONS[step]:
+                    conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {step}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction that also bumps the revision."""
+        with self._lock:
+            conn = self._conn
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise StateError(f"state file {self.path}: {exc}", hint=_hint(exc)) from None
+            try:
+                yield conn
+                conn.execute("UPDATE meta SET value = value + 1 WHERE key = 'revision'")
+                conn.execute("COMMIT")
+            except _NoChange:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error as exc:
+                conn.execute("ROLLBACK")
+                raise StateError(f"state file {self.path}: {exc}", hint=_hint(exc)) from None
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+
+    def _read(self, sql: str, params: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+        with self._lock:
+            return self._guard(lambda: self._conn.execute(sql, params).fetchall())
+
+    def _load(self, model: type[_M], body: str) -> _M:
+        try:
+            return model.model_validate_json(body)
+        except ValidationError as exc:
+            raise StateError(
+                f"state file {self.path}: a stored {model.__name__} no longer validates ({exc.error_count()} "
+                "errors)",
+                hint="it was written by another Sarv version; re-create the object",
+            ) from None
+
+    def _delete(self, sql: str, key: str) -> bool:
+        with self._write() as conn:
+            if conn.execute(sql, (key,)).rowcount == 0:
+                raise _NoChange
+            return True
+        return False
+
+    # --- deployments
+
+    def put_deployment(self, record: DeploymentRecord) -> None:
+        with self._write() as conn:
+            conn.execute(
+                "INSERT INTO deployments (name, body) VALUES (?, ?) "
+                "ON CONFLICT (name) DO UPDATE SET body = excluded.body",
+                (record.name, record.model_dump_json()),
+            )
+
+    def get_deployment(self, name: str) -> DeploymentRecord | None:
+        rows = self._read("SELECT body FROM deployments WHERE name = ?", (name,))
+        return self._load(DeploymentRecord, rows[0][0]) if rows else None
+
+    def list_deployments(self) -> list[DeploymentRecord]:
+        rows = self._read("SELECT body FROM deployments ORDER BY name")
+        return [self._load(DeploymentRecord, r[0]) for r in rows]
+
+    def delete_deployment(self, name: str) -> bool:
+        return self._delete("DELETE FROM deployments WHERE name = ?", name)
+
+    # --- replicas
+
+    def put_replica(self, record: ReplicaRecord) -> None:
+        with self._write() as conn:
+            conn.execute(
+                "INSERT INTO replicas (id, deployment, body) VALUES (?, ?, ?) "
+                "ON CONFLICT (id) DO UPDATE SET deployment = excluded.deployment, body = excluded.body",
+                (record.id, record.deployment, record.model_dump_json()),
+            )
+
+    def get_replica(self, replica_id: str) -> ReplicaRecord | None:
+        rows = self._read("SELECT body FROM replicas WHERE id = ?", (replica_id,))
+        return self._load(ReplicaRecord, rows[0][0]) if rows else None
+
+    def list_replicas(self, deployment: str | None = None) -> list[ReplicaRecord]:
+        if deployment is None:
+            rows = self._read("SELECT body FROM replicas ORDER BY id")
+        else:
+            rows = self._read("SELECT body FROM replicas WHERE deployment = ? ORDER BY id", (deployment,))
+        return [self._load(ReplicaRecord, r[0]) for r in rows]
+
+    def delete_replica(self, replica_id: str) -> bool:
+        return self._delete("DELETE FROM replicas WHERE id = ?", replica_id)
+
+    # --- API keys
+
+    def put_api_key(self, record: ApiKeyRecord) -> None:
+        """Store ``record``; a key with the same name but another hash is replaced (key rotation)."""
+        with self._write() as conn:
+            conn.execute(
+                "DELETE FROM api_keys WHERE name = ? AND key_hash != ?", (record.name, record.key_hash)
+            )
+            conn.execute(
+                "INSERT INTO api_keys (key_hash, name, body) VALUES (?, ?, ?) "
+                "ON CONFLICT (key_hash) DO UPDATE SET name = excluded.name, body = excluded.body",
+                (record.key_hash, record.name, record.model_dump_json()),
+            )
+
+    def get_api_key(self, key_hash: str) -> ApiKeyRecord | None:
+        rows = self._read("SELECT body FROM api_keys WHERE key_hash = ?", (key_hash,))
+        return self._load(ApiKeyRecord, rows[0][0]) if rows else None
+
+    def get_api_key_by_name(self, name: str) -> ApiKeyRecord | None:
+        rows = self._read("SELECT body FROM api_keys WHERE name = ?", (name,))
+        return self._load(ApiKeyRecord, rows[0][0]) if rows else None
+
+    def list_api_keys(self) -> list[ApiKeyRecord]:
+        rows = self._read("SELECT body FROM api_keys ORDER BY name")
+        return [self._load(ApiKeyRecord, r[0]) for r in rows]
+
+    # --- change feed and lifecycle
+
+    def revision(self) -> int:
+        rows = self._read("SELECT value FROM meta WHERE key = 'revision'")
+        return int(rows[0][0])
+
+    def ping(self) -> None:
+        self.revision()
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+class _NoChange(Exception):
+    """Raised inside a write transaction that changed nothing: roll back, keep the revision."""
+
+
+def _create_private(path: Path) -> None:
+    """Create the file (and its directory) readable by this user only; tighten an existing file."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # O_CREAT with 0600 before sqlite3 opens it: SQLite would create it with the umask's mode, and its
+    # -wal/-shm files copy the database file's permissions.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        if mode & 0o077:
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
+def _hint(exc: sqlite3.Error) -> str | None:
+    text = str(exc)
+    if "not a database" in text:
+        return "the file is not a SQLite database; point state_url at another path"
+    if "locked" in text or "busy" in text:
+        return "another process holds a long write lock; retry"
+    if "readonly" in text or "unable to open" in text:
+        return "check the file's and its directory's permissions"
+    return None

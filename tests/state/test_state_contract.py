@@ -1,0 +1,288 @@
+"""One StateStore contract, run on SQLite, redis-server, Redis Cluster and an ACL-protected redis-server."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from fixtures.redis import _start_redis
+
+from controlplane.settings import Settings
+from controlplane.spec import (
+    DeploymentRecord,
+    DeploymentSpec,
+    EngineKind,
+    Plan,
+    ReplicaRecord,
+    ReplicaState,
+)
+from controlplane.state import ApiKeyRecord, StateStore, open_store
+
+ACL_USER = "sarv-state"
+ACL_PASSWORD = "acl-Pa55-" + "x" * 12
+
+
+@dataclass
+class Backend:
+    """How to open stores on one backend, in this process or in a child process."""
+
+    url: str
+    settings: Settings | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    opened: list[StateStore] = field(default_factory=list)
+
+    def open(self) -> StateStore:
+        store = open_store(self.url, self.settings)
+        self.opened.append(store)
+        return store
+
+
+@pytest.fixture(scope="session")
+def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """A redis-server whose default user is disabled; only ACL_USER with ACL_PASSWORD may connect."""
+    port, proc = _start_redis(
+        tmp_path_factory.mktemp("redis-acl"),
+        "--user", "default", "off",
+        "--user", ACL_USER, "on", f">{ACL_PASSWORD}", "~*", "&*", "+@all",
+    )  # fmt: skip
+    yield port
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def _settings(prefix: str, **extra: object) -> Settings:
+    return Settings(state_prefix=prefix, **extra)  # type: ignore[arg-type]
+
+
+@pytest.fixture(params=["sqlite", "redis", "cluster", "redis-acl"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    # A fresh key prefix per test isolates tests on the shared servers (and exercises state_prefix).
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    env = {"SARV_STATE_PREFIX": prefix}
+    if request.param == "sqlite":
+        b = Backend(url=f"sqlite:///{tmp_path / 'state' / 'state.db'}", settings=_settings(prefix), env=env)
+    elif request.param == "redis":
+        b = Backend(url=request.getfixturevalue("redis_url"), settings=_settings(prefix), env=env)
+    elif request.param == "cluster":
+        b = Backend(url=request.getfixturevalue("redis_cluster").url, settings=_settings(prefix), env=env)
+    else:
+        port = request.getfixturevalue("acl_redis")
+        creds = {"redis_username": ACL_USER, "redis_password": ACL_PASSWORD}
+        env |= {"SARV_REDIS_USERNAME": ACL_USER, "SARV_REDIS_PASSWORD": ACL_PASSWORD}
+        b = Backend(url=f"redis://127.0.0.1:{port}/0", settings=_settings(prefix, **creds), env=env)
+    yield b
+    for store in b.opened:
+        store.close()
+
+
+@pytest.fixture
+def store(backend: Backend) -> StateStore:
+    return backend.open()
+
+
+def deployment(name: str, replicas: int = 1) -> DeploymentRecord:
+    return DeploymentRecord(
+        spec=DeploymentSpec(name=name, model="llama-3-8b", replicas=replicas, engine=EngineKind.SIM),
+        plan=Plan(model="llama-3-8b", deployment=name, reasons=["fits"]),
+        created_at=1.0,
+        updated_at=2.0,
+    )
+
+
+def replica(deployment: str, index: int, state: ReplicaState = ReplicaState.READY) -> ReplicaRecord:
+    return ReplicaRecord(
+        id=f"{deployment}-{index}",
+        deployment=deployment,
+        index=index,
+        model=deployment,
+        engine=EngineKind.SIM,
+        node="local",
+        endpoint=f"http://127.0.0.1:{8100 + index}",
+        state=state,
+        adapters=["a1"],
+        handle={"pid": "123"},
+    )
+
+
+def api_key(name: str, digit: str) -> ApiKeyRecord:
+    return ApiKeyRecord(name=name, key_hash=digit * 64, prefix="sk-sarv-ab", models=["m"], rpm=10)
+
+
+def test_protocol_and_empty_store(store: StateStore) -> None:
+    assert isinstance(store, StateStore)
+    store.ping()
+    assert store.revision() == 0
+    assert store.list_deployments() == []
+    assert store.list_replicas() == []
+    assert store.list_api_keys() == []
+    assert store.get_deployment("x") is None
+    assert store.get_replica("x-0") is None
+    assert store.get_api_key("0" * 64) is None
+    assert store.get_api_key_by_name("x") is None
+
+
+def test_deployments_round_trip(store: StateStore) -> None:
+    store.put_deployment(deployment("beta"))
+    store.put_deployment(deployment("alpha"))
+    assert store.get_deployment("alpha") == deployment("alpha")
+    assert [d.name for d in store.list_deployments()] == ["alpha", "beta"]
+    store.put_deployment(deployment("alpha", replicas=3))
+    got = store.get_deployment("alpha")
+    assert got is not None and got.spec.replicas == 3
+    assert store.delete_deployment("alpha") is True
+    assert store.delete_deployment("alpha") is False
+    assert store.get_deployment("alpha") is None
+    assert [d.name for d in store.list_deployments()] == ["beta"]
+
+
+def test_replicas_round_trip_and_filter(store: StateStore) -> None:
+    for rec in (replica("a", 1), replica("a", 0), replica("b", 0)):
+        store.put_replica(rec)
+    assert store.get_replica("a-0") == replica("a", 0)
+    assert [r.id for r in store.list_replicas()] == ["a-0", "a-1", "b-0"]
+    assert [r.id for r in store.list_replicas("a")] == ["a-0", "a-1"]
+    assert store.list_replicas("zzz") == []
+    store.put_replica(replica("a", 0, ReplicaState.UNHEALTHY))
+    got = store.get_replica("a-0")
+    assert got is not None and got.state is ReplicaState.UNHEALTHY
+    assert store.delete_replica("a-0") is True
+    assert store.delete_replica("a-0") is False
+    assert [r.id for r in store.list_replicas("a")] == ["a-1"]
+
+
+def test_api_keys_lookup_rotation_and_rename(store: StateStore) -> None:
+    store.put_api_key(api_key("ci", "a"))
+    store.put_api_key(api_key("alice", "b"))
+    assert store.get_api_key("a" * 64) == api_key("ci", "a")
+    assert store.get_api_key_by_name("alice") == api_key("alice", "b")
+    assert [k.name for k in store.list_api_keys()] == ["alice", "ci"]
+    # Rotation: a new secret under the same name retires the old one.
+    store.put_api_key(api_key("ci", "c"))
+    assert store.get_api_key("a" * 64) is None
+    rotated = store.get_api_key_by_name("ci")
+    assert rotated is not None and rotated.key_hash == "c" * 64
+    # Rename: the same secret under a new name frees the old name.
+    store.put_api_key(api_key("bob", "b"))
+    assert store.get_api_key_by_name("alice") is None
+    assert [k.name for k in store.list_api_keys()] == ["bob", "ci"]
+    revoked = api_key("bob", "b").model_copy(update={"revoked": True})
+    store.put_api_key(revoked)
+    got = store.get_api_key("b" * 64)
+    assert got is not None and got.revoked
+
+
+def test_revision_is_monotonic_and_counts_changes(store: StateStore) -> None:
+    seen = [store.revision()]
+
+    def step() -> None:
+        seen.append(store.revision())
+
+    store.put_deployment(deployment("a"))
+    step()
+    store.put_replica(replica("a", 0))
+    step()
+    store.put_api_key(api_key("k", "d"))
+    step()
+    store.list_deployments()
+    store.get_replica("a-0")
+    step()  # reads change nothing
+    store.delete_replica("a-0")
+    step()
+    store.delete_replica("a-0")
+    step()  # deleting nothing changes nothing
+    store.put_deployment(deployment("a"))
+    step()  # an identical rewrite is still a write
+    assert seen == [0, 1, 2, 3, 3, 4, 4, 5]
+
+
+def test_two_stores_share_state(backend: Backend) -> None:
+    first, second = backend.open(), backend.open()
+    first.put_deployment(deployment("shared"))
+    assert second.get_deployment("shared") == deployment("shared")
+    assert second.revision() == first.revision() == 1
+
+
+def test_concurrent_threads(backend: Backend) -> None:
+    store = backend.open()
+    errors: list[BaseException] = []
+
+    def writer(t: int) -> None:
+        try:
+            for i in range(20):
+                store.put_replica(replica(f"t{t}", i))
+                store.revision()
+        except BaseException as exc:  # collected and re-raised below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not errors
+    assert len(store.list_replicas()) == 120
+    assert store.revision() == 120
+
+
+_CHILD = """
+import json, sys
+from controlplane.settings import load_settings
+from controlplane.spec import EngineKind, ReplicaRecord
+from controlplane.state import open_store
+
+url, name, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+store = open_store(url, load_settings())
+revisions = []
+for i in range(count):
+    store.put_replica(ReplicaRecord(id=f"{name}-{i}", deployment=name, index=i, model="m",
+                                    engine=EngineKind.SIM, node="n"))
+    revisions.append(store.revision())
+store.close()
+print(json.dumps(revisions))
+"""
+
+
+def test_concurrent_processes(backend: Backend) -> None:
+    store = backend.open()
+    env = {**os.environ, **backend.env, "SARV_CONFIG": ""}
+    env.pop("SARV_CONFIG")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD, backend.url, f"p{n}", "25"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(3)
+    ]
+    for i in range(25):
+        store.put_replica(replica("main", i))
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+        outputs.append(json.loads(out))
+    assert len(store.list_replicas()) == 100
+    assert store.revision() == 100
+    for revisions in outputs:
+        # Each process sees its own writes in order: its revisions strictly increase.
+        assert all(a < b for a, b in itertools.pairwise(revisions))
+
+
+def test_close_then_new_store_sees_data(backend: Backend) -> None:
+    store = backend.open()
+    store.put_api_key(api_key("persist", "e"))
+    store.close()
+    again = backend.open()
+    assert again.get_api_key_by_name("persist") == api_key("persist", "e")
+    assert again.revision() == 1
