@@ -1,0 +1,144 @@
+"""``llmctl keys create|list|revoke`` and ``llmctl gateway`` through ``main()`` against a SQLite store."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fixtures.common import free_port, need, wait_port
+
+from controlplane.cli.keys import parse_duration
+from controlplane.cli.main import main
+from controlplane.errors import UserError
+from controlplane.gateway.auth import hash_key
+
+
+def _has_store() -> bool:
+    import controlplane.state
+
+    return hasattr(controlplane.state, "open_store")
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    need(_has_store(), "controlplane.state.open_store is not available yet")
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setenv("SARV_CONFIG", str(tmp_path / "absent.yaml"))
+    (tmp_path / "absent.yaml").write_text("{}\n")
+    monkeypatch.setenv("SARV_HOME", str(tmp_path))
+    monkeypatch.setenv("SARV_STATE_URL", f"sqlite:///{tmp_path / 'state.db'}")
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return int(exc.value.code or 0), out, err
+
+
+def _store(tmp_path: Path):
+    from controlplane.settings import Settings
+    from controlplane.state import open_store  # type: ignore[attr-defined]
+
+    return open_store(f"sqlite:///{tmp_path / 'state.db'}", Settings(home=tmp_path))
+
+
+def test_create_json_list_revoke(capsys, tmp_path):
+    code, out, err = run(
+        capsys, "keys", "create", "ci-bot", "--model", "m1", "--rpm", "60", "--tpm", "1000", "-o", "json"
+    )
+    assert code == 0, err
+    data = json.loads(out)
+    assert list(data) == ["name", "key"]
+    assert data["key"].startswith("sk-sarv-")
+    store = _store(tmp_path)
+    record = store.get_api_key(hash_key(data["key"]))
+    assert record is not None
+    assert (record.name, record.models, record.rpm, record.tpm) == ("ci-bot", ["m1"], 60, 1000)
+    # only the hash is stored: the key appears nowhere in the database file
+    assert data["key"].encode() not in (tmp_path / "state.db").read_bytes()
+
+    code, out, _ = run(capsys, "keys", "list")
+    assert code == 0
+    assert "ci-bot" in out
+    assert data["key"] not in out
+    assert "active" in out
+
+    code, out, err = run(capsys, "keys", "create", "ci-bot")
+    assert code == 2
+    assert "exists" in err
+
+    code, out, _ = run(capsys, "keys", "revoke", "ci-bot")
+    assert code == 0
+    assert store.get_api_key(hash_key(data["key"])).revoked
+    code, out, _ = run(capsys, "keys", "list", "-o", "json")
+    assert json.loads(out)[0]["revoked"] is True
+    assert "key_hash" not in json.loads(out)[0]
+
+    code, _, err = run(capsys, "keys", "revoke", "nobody")
+    assert code == 2
+    assert "no key named 'nobody'" in err
+
+
+def test_text_output_shows_the_key_once_and_expiry(capsys, tmp_path):
+    code, out, _ = run(capsys, "keys", "create", "temp", "--expires-in", "2h")
+    assert code == 0
+    key = out.strip().splitlines()[-1]
+    record = _store(tmp_path).get_api_key(hash_key(key))
+    assert record.expires_at == pytest.approx(time.time() + 7200, abs=60)
+    code, _, err = run(capsys, "keys", "create", "bad", "--expires-in", "soon")
+    assert code == 2
+    assert "--expires-in" in err
+
+
+def test_parse_duration():
+    assert parse_duration("30d") == 30 * 86400
+    assert parse_duration("90s") == 90
+    with pytest.raises(UserError):
+        parse_duration("3 weeks")
+
+
+@pytest.mark.slow
+def test_llmctl_gateway_serves(tmp_path, capsys, sim_server):
+    sim = sim_server(served_model_name="m1")
+    from fixtures.gateway import add_key, add_replica
+
+    store = _store(tmp_path)
+    add_replica(store, sim.url, "m1", rid="m1-0")
+    key = add_key(store, "cli")
+    port = free_port()
+    env = {
+        "SARV_HOME": str(tmp_path),
+        "SARV_STATE_URL": f"sqlite:///{tmp_path / 'state.db'}",
+        "SARV_CONFIG": str(tmp_path / "absent.yaml"),
+        "PATH": "/usr/bin:/bin",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "controlplane.cli.main", "gateway", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        wait_port(port, timeout=30)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"model": "m1", "prompt": "x", "max_tokens": 2},
+            timeout=10,
+        )
+        assert r.status_code == 200, r.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+        assert proc.stderr is not None
+        proc.stderr.close()
+    # more than one worker needs Redis (limits are shared only there)
+    code, _, err = run(capsys, "gateway", "--workers", "2", "--port", str(free_port()))
+    assert code == 2
+    assert "needs Redis" in err
