@@ -43,7 +43,7 @@ def parse_duration(text: str) -> float:
 @contextmanager
 def _store() -> Iterator[StateStore]:
     from controlplane.settings import load_settings
-    from controlplane.state import open_store  # type: ignore[attr-defined]
+    from controlplane.state import open_store
 
     settings = load_settings()
     store: StateStore = open_store(settings.resolved_state_url, settings)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from controlplane.errors import ConfigError
 from controlplane.gateway.app import GatewayApp
@@ -26,7 +27,7 @@ def _limiter(settings: Settings) -> RateLimiter:
         from redis.asyncio import BlockingConnectionPool, Redis
 
         # A bounded pool that waits for a free connection: a burst must not open thousands of sockets.
-        pool = BlockingConnectionPool.from_url(
+        pool: BlockingConnectionPool[Any] = BlockingConnectionPool.from_url(
             url,
             max_connections=64,
             timeout=1.0,
@@ -35,7 +36,8 @@ def _limiter(settings: Settings) -> RateLimiter:
             socket_timeout=0.5,
             socket_connect_timeout=0.5,
         )
-        client = Redis.from_pool(pool)  # the client owns the pool: aclose() disconnects it
+        # The client owns the pool, so aclose() disconnects it (types-redis predates from_pool).
+        client = Redis.from_pool(pool)  # type: ignore[attr-defined]
         return RedisLimiter(client, prefix=settings.state_prefix, fail_open=settings.ratelimit_fail_open)
     if url.startswith("redis+cluster://"):
         from redis.asyncio import RedisCluster
@@ -57,7 +59,7 @@ def _limiter(settings: Settings) -> RateLimiter:
 
 def build_app(settings: Settings, config_path: Path | None = None) -> GatewayApp:
     """The app for these settings; nothing connects until the ASGI lifespan starts it."""
-    from controlplane.state import open_store  # type: ignore[attr-defined]
+    from controlplane.state import open_store
 
     config = load_gateway_config(config_path)
     store = open_store(settings.resolved_state_url, settings)

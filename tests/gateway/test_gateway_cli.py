@@ -43,7 +43,7 @@ def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
 
 def _store(tmp_path: Path):
     from controlplane.settings import Settings
-    from controlplane.state import open_store  # type: ignore[attr-defined]
+    from controlplane.state import open_store
 
     return open_store(f"sqlite:///{tmp_path / 'state.db'}", Settings(home=tmp_path))
 

@@ -85,7 +85,7 @@ async def test_async_openai_client_against_sim(sim_gateway):
 async def test_openai_client_against_real_vllm(vllm_tiny, gateway_factory):
     """The gateway finds the replica ``llmctl deploy`` recorded; the official client works through it."""
     from controlplane.settings import Settings
-    from controlplane.state import open_store  # type: ignore[attr-defined]
+    from controlplane.state import open_store
 
     home = vllm_tiny.home
     store = open_store(vllm_tiny.env["SARV_STATE_URL"], Settings(home=home))
