@@ -126,8 +126,61 @@ def _explain(plan: Plan, fleet: Fleet, spec: DeploymentSpec, model: ModelSpec) -
             ui.out(line)
 
 
+def _models_command(catalog: list[Path] | None, output: PlanOutput) -> None:
+    from controlplane.catalog import Catalog, kv_bytes_per_token
+    from controlplane.settings import load_settings
+
+    cat = Catalog.load([*load_settings().catalog, *(catalog or [])])
+    entries = [cat.entry(name) for name in cat.names()]
+    if output is PlanOutput.JSON:
+        ui.print_json([e.model_dump(mode="json") for e in entries])
+        return
+    rows = [
+        [
+            e.name,
+            ", ".join(e.aliases) or "-",
+            f"{e.num_params / 1e9:.2f} B" if e.num_params >= 10**8 else f"{e.num_params / 1e6:.2f} M",
+            e.num_layers,
+            f"{e.num_attention_heads}/{e.num_kv_heads}",
+            f"{e.num_experts}×top{e.experts_per_token}" if e.num_experts > 1 else "-",
+            f"{kv_bytes_per_token(e):,}",
+            e.max_model_len,
+            ",".join(q.value for q in e.quantizations),
+        ]
+        for e in entries
+    ]
+    ui.table(
+        [
+            "model",
+            "aliases",
+            "params (B)",
+            "layers",
+            "heads/kv",
+            "experts",
+            "KV B/token",
+            "max len",
+            "variants",
+        ],
+        rows,
+    )
+
+
 def register(app: typer.Typer) -> None:
     """Add this module's commands to ``app``."""
+
+    @app.command("models")
+    def models_command(
+        *,
+        catalog: Annotated[
+            list[Path] | None,
+            typer.Option("--catalog", help="Extra catalog YAML or local model directory (repeatable)."),
+        ] = None,
+        output: Annotated[
+            PlanOutput, typer.Option("--output", "-o", help="table, or the catalog entries as json.")
+        ] = PlanOutput.TABLE,
+    ) -> None:
+        """List the model catalog: architecture numbers, KV bytes per token (bf16) and weight variants."""
+        _models_command(catalog, output)
 
     @app.command("plan")
     def plan_command(

@@ -119,3 +119,14 @@ def test_extra_catalog_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
     code, out, _ = run(capsys, "mini", "--catalog", str(extra), "-i", INVENTORY, "-o", "json")
     assert code == 0
     assert json.loads(out)["model"] == "mini"
+
+
+def test_models_lists_the_catalog(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["models", "-o", "json"])
+    assert exc.value.code == 0
+    entries = {e["name"]: e for e in json.loads(capsys.readouterr().out)}
+    assert {"llama-3-8b", "llama-70b", "llama-3.1-405b", "mixtral-8x7b", "qwen2.5-72b", "sarv-tiny"} <= set(
+        entries
+    )
+    assert "llama-8b" in entries["llama-3-8b"]["aliases"]
