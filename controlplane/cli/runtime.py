@@ -83,7 +83,7 @@ def _deployer(inventory: Path | None, *, progress: Any = None) -> Iterator[Deplo
     from controlplane.fleet import load_fleet
     from controlplane.launchers import launcher_for
     from controlplane.settings import load_settings
-    from controlplane.state import open_store  # type: ignore[attr-defined]
+    from controlplane.state import open_store
 
     settings = load_settings(inventory=inventory)
     store = open_store(settings.resolved_state_url, settings)
