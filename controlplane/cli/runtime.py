@@ -249,9 +249,10 @@ def register(app: typer.Typer) -> None:
                 bar.update(
                     "engine", f"engine: {kind.value} ({'GPUs found' if has_gpu else 'no GPU in the fleet'})"
                 )
+            canonical = deployer.catalog.get(model).name  # aliases deploy as the model they name
             spec = DeploymentSpec(
-                name=name or deployer.catalog.get(model).name,
-                model=model,
+                name=name or canonical,
+                model=canonical,
                 replicas=replicas,
                 tp=tp,
                 pp=pp,

@@ -91,6 +91,7 @@ class _Launched:
     record: ReplicaRecord
     launcher: Launcher
     ready_path: str
+    last_said: int = -1
 
 
 @dataclass
@@ -337,7 +338,10 @@ class Deployer:
                     self._say(rec.id, f"{rec.id}: ready at {rec.endpoint}")
                 else:
                     waited = int(self.clock() - started)
-                    self._say(rec.id, f"{rec.id}: waiting for {spec.engine.value} to load ({waited}s)")
+                    # Every 15 s: without a terminal each progress update is a printed line.
+                    if waited // 15 != item.last_said:
+                        item.last_said = waited // 15
+                        self._say(rec.id, f"{rec.id}: waiting for {spec.engine.value} to load ({waited}s)")
             if not pending:
                 return
             if self.clock() > deadline:
