@@ -14,21 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from fixtures.redis import _start_redis
+from state.records import ACL_PASSWORD, ACL_USER, api_key, deployment, replica
 
 from controlplane.settings import Settings
 from controlplane.spec import (
-    DeploymentRecord,
-    DeploymentSpec,
-    EngineKind,
-    Plan,
-    ReplicaRecord,
     ReplicaState,
 )
-from controlplane.state import ApiKeyRecord, StateStore, open_store
-
-ACL_USER = "sarv-state"
-ACL_PASSWORD = "acl-Pa55-" + "x" * 12
+from controlplane.state import StateStore, open_store
 
 
 @dataclass
@@ -46,24 +38,18 @@ class Backend:
         return store
 
 
-@pytest.fixture(scope="session")
-def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    """A redis-server whose default user is disabled; only ACL_USER with ACL_PASSWORD may connect."""
-    port, proc = _start_redis(
-        tmp_path_factory.mktemp("redis-acl"),
-        "--user", "default", "off",
-        "--user", ACL_USER, "on", f">{ACL_PASSWORD}", "~*", "&*", "+@all",
-    )  # fmt: skip
-    yield port
-    proc.terminate()
-    proc.wait(timeout=10)
-
-
 def _settings(prefix: str, **extra: object) -> Settings:
     return Settings(state_prefix=prefix, **extra)  # type: ignore[arg-type]
 
 
-@pytest.fixture(params=["sqlite", "redis", "cluster", "redis-acl"])
+@pytest.fixture(
+    params=[
+        "sqlite",
+        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("cluster", marks=pytest.mark.redis),
+        pytest.param("redis-acl", marks=pytest.mark.redis),
+    ]
+)
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
     # A fresh key prefix per test isolates tests on the shared servers (and exercises state_prefix).
     prefix = f"t{uuid.uuid4().hex[:8]}:"
@@ -87,34 +73,6 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
 @pytest.fixture
 def store(backend: Backend) -> StateStore:
     return backend.open()
-
-
-def deployment(name: str, replicas: int = 1) -> DeploymentRecord:
-    return DeploymentRecord(
-        spec=DeploymentSpec(name=name, model="llama-3-8b", replicas=replicas, engine=EngineKind.SIM),
-        plan=Plan(model="llama-3-8b", deployment=name, reasons=["fits"]),
-        created_at=1.0,
-        updated_at=2.0,
-    )
-
-
-def replica(deployment: str, index: int, state: ReplicaState = ReplicaState.READY) -> ReplicaRecord:
-    return ReplicaRecord(
-        id=f"{deployment}-{index}",
-        deployment=deployment,
-        index=index,
-        model=deployment,
-        engine=EngineKind.SIM,
-        node="local",
-        endpoint=f"http://127.0.0.1:{8100 + index}",
-        state=state,
-        adapters=["a1"],
-        handle={"pid": "123"},
-    )
-
-
-def api_key(name: str, digit: str) -> ApiKeyRecord:
-    return ApiKeyRecord(name=name, key_hash=digit * 64, prefix="sk-sarv-ab", models=["m"], rpm=10)
 
 
 def test_protocol_and_empty_store(store: StateStore) -> None:
