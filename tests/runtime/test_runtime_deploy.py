@@ -217,3 +217,14 @@ def test_bad_engine_arg(env: LlmctlEnv) -> None:
     assert out.returncode == 2
     assert "api_key is set by Sarv" in out.stderr
     _assert_nothing_left(env)
+
+
+def test_deploy_after_no_wait_awaits_the_loading_replica_instead_of_restarting_it(env: LlmctlEnv) -> None:
+    args = ("deploy", "sarv-tiny", "--engine", "sim", "--engine-arg", "slow_start_s=4")
+    first = json.loads(env.llmctl(*args, "--no-wait", "-o", "json", check=True).stdout)
+    pid = int(first["replicas"][0]["handle"]["pid"])
+    second = json.loads(env.llmctl(*args, "-o", "json", check=True).stdout)
+    assert second["changed"] is False
+    [replica] = second["replicas"]
+    assert replica["state"] == "ready"
+    assert int(replica["handle"]["pid"]) == pid
