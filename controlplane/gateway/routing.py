@@ -176,14 +176,25 @@ class Router:
     def _score(self, cands: list[ReplicaView], blocks: list[int], now: float, turn: int) -> ReplicaView:
         cfg = self.config
         stale = cfg.metrics_stale_s
-        queues = [r.queue(now, stale) for r in cands]
+        # One pass for the per-replica numbers (inlined: this loop runs for every candidate of every request).
+        queues: list[float] = []
+        fresh: list[bool] = []
+        for r in cands:
+            f = now - r.scraped_at <= stale
+            q = float(r.outstanding)
+            if f and r.running + r.waiting > q:
+                # Other gateways' requests only show in the scrape; ours show at once in ``outstanding``.
+                q = r.running + r.waiting
+            queues.append(q / r.capacity)
+            fresh.append(f)
         qmin, qmax = min(queues), max(queues)
         spread = qmax - qmin
-        matched = self._matches(blocks) if blocks else {}
-        if spread > cfg.load_guard_spread:
-            matched = {}  # AIBrix's guard: load is too uneven for affinity to be worth it
-        nblocks = len(blocks) or 1
-        best: ReplicaView = cands[0]
+        matched = self._matches(blocks) if blocks and spread <= cfg.load_guard_spread else {}
+        # (AIBrix's guard above: when load is that uneven, affinity is not worth it.)
+        inv_blocks = 1.0 / (len(blocks) or 1)
+        qw, kw, pw = cfg.queue_weight, cfg.kv_weight, cfg.prefix_weight
+        sat_q, sat_kv = cfg.saturation_queue, cfg.saturation_kv
+        best = cands[0]
         best_score = -1.0
         best_q = 0.0
         n = len(cands)
@@ -192,19 +203,18 @@ class Router:
             i = (turn + k) % n
             r = cands[i]
             q = queues[i]
-            score = cfg.queue_weight * (1.0 - (q - qmin) / spread if spread > 0 else 1.0)
-            fresh = r.fresh(now, stale)
-            if fresh:
-                score += cfg.kv_weight * (1.0 - min(1.0, r.kv))
+            score = qw * (1.0 - (q - qmin) / spread) if spread > 0 else qw
+            if fresh[i]:
+                kv = r.kv
+                score += kw * (1.0 - (kv if kv < 1.0 else 1.0))
+                saturated = r.waiting / r.capacity >= sat_q or kv >= sat_kv
             else:
-                score += cfg.kv_weight
-            m = matched.get(r.id)
-            if m:
-                saturated = fresh and (
-                    r.waiting / r.capacity >= cfg.saturation_queue or r.kv >= cfg.saturation_kv
-                )
-                if not saturated:
-                    score += cfg.prefix_weight * m / nblocks
+                score += kw
+                saturated = False
+            if matched and not saturated:
+                m = matched.get(r.id)
+                if m:
+                    score += pw * m * inv_blocks
             if score > best_score or (score == best_score and q < best_q):
                 best, best_score, best_q = r, score, q
         return best
