@@ -98,3 +98,29 @@ def test_bad_command_line_exits_2_with_one_line(args: list[str], fragment: str) 
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1
     assert fragment in lines[0]
+
+
+def test_api_key_guards_v1_only(sim_server: SimFactory) -> None:
+    sim = sim_server(
+        "--api-key", "k-123", "--dtype", "bfloat16", "--tensor-parallel-size", "1", "--enforce-eager"
+    )
+    body = {"model": "sim", "prompt": "x", "max_tokens": 1}
+    assert httpx.post(sim.url + "/v1/completions", json=body).status_code == 401
+    wrong = httpx.post(sim.url + "/v1/completions", json=body, headers={"authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    assert wrong.json() == {"error": "Unauthorized"}
+    client = openai.OpenAI(base_url=sim.url + "/v1", api_key="k-123", max_retries=0)
+    assert client.completions.create(model="sim", prompt="x", max_tokens=1).usage is not None
+    # As in vLLM, only /v1 is guarded: health checks and scrapes need no key.
+    assert httpx.get(sim.url + "/health").status_code == 200
+    assert httpx.get(sim.url + "/metrics").status_code == 200
+
+
+def test_api_key_from_environment(sim_server: SimFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    sim = sim_server()
+    assert "from-env" not in " ".join(sim.args)
+    body = {"model": "sim", "prompt": "x", "max_tokens": 1}
+    assert httpx.post(sim.url + "/v1/completions", json=body).status_code == 401
+    ok = httpx.post(sim.url + "/v1/completions", json=body, headers={"authorization": "Bearer from-env"})
+    assert ok.status_code == 200

@@ -122,6 +122,7 @@ class SimApp:
             ("POST", "/v1/embeddings"): self._embeddings,
         }
         self._paths = {path for _, path in self._routes}
+        self._bearer = None if config.api_key is None else b"Bearer " + config.api_key.encode()
 
     # --- ASGI entry
 
@@ -133,6 +134,10 @@ class SimApp:
             return
         handler = self._routes.get((scope["method"], scope["path"]))
         try:
+            bearer = self._bearer
+            if bearer is not None and scope["path"].startswith("/v1") and not _authorized(scope, bearer):
+                await _respond(send, 401, b'{"error":"Unauthorized"}', _JSON)
+                return
             if handler is None:
                 if scope["path"] in self._paths:
                     raise _HTTPError(405, "Method Not Allowed", "MethodNotAllowed")
@@ -644,6 +649,13 @@ async def _sleep_until(
         await asyncio.sleep(delay)
     if gone.done():
         raise ClientGone
+
+
+def _authorized(scope: Scope, bearer: bytes) -> bool:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            return secrets.compare_digest(value, bearer)
+    return False
 
 
 def _with_request_id(scope: Scope, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import os
 import sys
 import types
 import typing
@@ -16,6 +17,25 @@ from controlplane.engines.sim.config import SimConfig
 from controlplane.errors import ConfigError, describe_validation_error
 
 __all__ = ["build_parser", "main", "parse_config"]
+
+
+# vLLM options with no meaning for a simulator (hardware, weights, parallelism).
+_IGNORED_VALUE_OPTIONS = (
+    "--dtype",
+    "--tensor-parallel-size",
+    "--pipeline-parallel-size",
+    "--gpu-memory-utilization",
+    "--kv-cache-dtype",
+    "--quantization",
+    "--max-num-batched-tokens",
+    "--max-loras",
+    "--max-lora-rank",
+    "--download-dir",
+    "--load-format",
+    "--swap-space",
+    "--distributed-executor-backend",
+)
+_IGNORED_FLAGS = ("--trust-remote-code", "--enforce-eager", "--enable-lora", "--disable-log-requests")
 
 
 def _scalar_type(annotation: Any) -> Any:
@@ -48,13 +68,22 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, dest=name, choices=choices, default=None, help=help_text)
         else:
             parser.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
+    ignored = parser.add_argument_group(
+        "vLLM options accepted and ignored", "so that a vLLM command line can start the simulator unchanged"
+    )
+    for flag in _IGNORED_VALUE_OPTIONS:
+        ignored.add_argument(flag, dest=None, metavar="X", help=argparse.SUPPRESS)
+    for flag in _IGNORED_FLAGS:
+        ignored.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
 def parse_config(argv: Sequence[str]) -> SimConfig:
     """A validated :class:`SimConfig` from command-line arguments; :class:`ConfigError` when invalid."""
     args = build_parser().parse_args(list(argv))
-    values = {k: v for k, v in vars(args).items() if v is not None}
+    values = {k: v for k, v in vars(args).items() if v is not None and k in SimConfig.model_fields}
+    if "api_key" not in values and os.environ.get("VLLM_API_KEY"):
+        values["api_key"] = os.environ["VLLM_API_KEY"]
     try:
         return SimConfig.model_validate(values)
     except ValidationError as exc:

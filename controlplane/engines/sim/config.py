@@ -26,7 +26,7 @@ class SimTask(StrEnum):
 class SimConfig(BaseModel):
     """One simulated vLLM replica. Defaults follow an 8B model on one H100 (REFERENCE.md)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -34,6 +34,9 @@ class SimConfig(BaseModel):
     """Accepted for command-line compatibility with vLLM (``--model DIR``); reported as the model's root."""
     served_model_name: str = Field(default="sim", min_length=1, max_length=256)
     """Name clients put in ``"model"``."""
+    api_key: str | None = Field(default=None, repr=False)
+    """Bearer token required on ``/v1/*`` (vLLM's ``--api-key``); the command line also reads
+    ``VLLM_API_KEY`` so the key need not appear in the process list."""
     task: SimTask = SimTask.GENERATE
     """``embed`` serves ``/v1/embeddings`` instead of completions."""
     lora_modules: list[str] = Field(default_factory=list)
