@@ -63,6 +63,14 @@ class Settings(BaseSettings):
     """Container image of the ``vllm`` engine; pinned, pulled from the site's registry mirror."""
     ray_version: str = "2.49.2"
     """Ray version matching ``vllm_image``, used for multi-node pipeline parallelism."""
+    remote_python: str = "/opt/sarv/venv/bin/python"
+    """Interpreter on remote nodes for process engines (``sim``, ``vllm-cpu``) and Ray: a venv with Sarv."""
+    remote_model_cache: Path = Path("/var/lib/sarv/models")
+    """Where verified weights land on remote nodes (the RAID-0 mount on GPU nodes)."""
+    ssh_key_file: Path | None = None
+    """Private key for SSH to remote nodes (default: the agent and ``~/.ssh/id_*``, as ssh does)."""
+    ssh_known_hosts: Path | None = None
+    """When set, unknown or changed host keys of remote nodes are refused."""
     gateway_host: str = "127.0.0.1"
     gateway_port: int = Field(default=8080, ge=1, le=65535)
     ratelimit_fail_open: bool = True

@@ -142,6 +142,10 @@ class FabricConnector:
         self.user = user
 
     def __call__(self, node: Node, *, connect_timeout: float) -> HostSession:
+        return _FabricSession(self.connection(node, connect_timeout=connect_timeout), node.name)
+
+    def connection(self, node: Node, *, connect_timeout: float) -> Connection:
+        """An open Fabric connection to ``node`` (the launchers need files and sudo, not just argv)."""
         from fabric import Connection
         from paramiko import RejectPolicy, SSHException
 
@@ -176,7 +180,7 @@ class FabricConnector:
                 hint="check ansible_host/ansible_port, that sshd runs there, and the user and key "
                 "(`ssh -p PORT USER@HOST nvidia-smi` by hand)",
             ) from None
-        return _FabricSession(conn, node.name)
+        return conn
 
 
 # --- probing

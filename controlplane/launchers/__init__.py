@@ -1,14 +1,18 @@
-"""Where replicas run: this host's processes (embedded default) or, later, remote hosts over SSH."""
+"""Where replicas run: this host's processes (embedded default) or remote hosts over SSH."""
 
 from __future__ import annotations
 
 import socket
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 from controlplane.errors import LaunchError
 from controlplane.launchers.base import Launcher, ProcessState, ReplicaProcess
 from controlplane.launchers.local import LocalLauncher
 from controlplane.spec import Node
+
+if TYPE_CHECKING:
+    from controlplane.settings import Settings
 
 __all__ = ["Launcher", "LocalLauncher", "ProcessState", "ReplicaProcess", "is_local_node", "launcher_for"]
 
@@ -18,14 +22,29 @@ _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 def is_local_node(node: Node) -> bool:
     """True for this host: a loopback address, or the node named/addressed as this host."""
     here = {socket.gethostname(), socket.getfqdn()}
+    if node.address in _LOOPBACK and node.ssh_port != 22:
+        # A forwarded SSH port on loopback (a tunnel, a container test host) is another machine.
+        return False
     return node.address in _LOOPBACK or node.address in here or node.name in _LOOPBACK
 
 
-def launcher_for(node: Node, home: Path, model_cache: Path) -> Launcher:
-    """The launcher that runs replicas on ``node``."""
+def launcher_for(node: Node, home: Path, model_cache: Path, settings: Settings | None = None) -> Launcher:
+    """The launcher that runs replicas on ``node``: local processes, or systemd units over SSH."""
     if is_local_node(node):
         return LocalLauncher(home, model_cache, host="127.0.0.1")
-    raise LaunchError(
-        f"node {node.name} ({node.address}) is a remote host; this build can only launch on this host",
-        hint="deploy with the local fleet (unset SARV_INVENTORY) until the SSH launcher is installed",
+    if settings is None:
+        raise LaunchError(
+            f"node {node.name} ({node.address}) is a remote host and no SSH settings were given",
+            hint="deploy with the local fleet (unset SARV_INVENTORY), or upgrade the caller",
+        )
+    from controlplane.fleet.discovery import FabricConnector
+    from controlplane.launchers.ssh import SshLauncher
+
+    connector = FabricConnector(key_filename=settings.ssh_key_file, known_hosts=settings.ssh_known_hosts)
+    return SshLauncher.connect(
+        node,
+        connector,
+        python=settings.remote_python,
+        remote_cache=PurePosixPath(settings.remote_model_cache),
+        local_cache=model_cache,
     )

@@ -1,0 +1,463 @@
+"""Remote nodes over SSH (Fabric): one hardened systemd unit per replica, followed through systemd."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shlex
+import time
+import uuid
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
+
+from controlplane.engines.base import EngineLaunch
+from controlplane.errors import DiscoveryError, LaunchError
+from controlplane.launchers.base import ProcessState, ReplicaProcess
+from controlplane.launchers.units import UNIT_DIR, UnitSpec, env_file_path, render_unit, unit_name
+from controlplane.spec import Node
+from controlplane.weights import MANIFEST_NAME, WeightsPolicy, ensure_weights
+
+if TYPE_CHECKING:
+    from fabric import Connection
+
+    from controlplane.fleet.discovery import FabricConnector
+
+__all__ = ["RemoteResult", "SshLauncher", "UnitState"]
+
+_INET_RE = re.compile(r"\binet (\d{1,3}(?:\.\d{1,3}){3})/")
+# systemd states in which the main process is (still) meant to run.
+_RUNNING = {"active", "activating", "reloading", "deactivating"}
+
+
+@dataclass(frozen=True)
+class RemoteResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def said(self) -> str:
+        """The first non-empty line of the output, for one-line errors."""
+        lines = [ln.strip() for ln in (self.stderr + "\n" + self.stdout).splitlines() if ln.strip()]
+        return lines[0][:300] if lines else f"exit code {self.exit_code}"
+
+
+@dataclass(frozen=True)
+class UnitState:
+    """``systemctl show`` of one unit, reduced to what a launcher decides on."""
+
+    load: str
+    active: str
+    sub: str
+    exit_status: int | None
+    restarts: int = 0
+
+    @property
+    def process(self) -> ReplicaProcess:
+        if self.load == "not-found":
+            return ReplicaProcess(state=ProcessState.GONE)
+        # "auto-restart" is systemd waiting to restart a crashed process: for a start-up or a health
+        # check that is a failure to report, not a replica that runs.
+        if self.active in _RUNNING and self.sub != "auto-restart":
+            return ReplicaProcess(
+                state=ProcessState.RUNNING, restarts=self.restarts, exit_code=self.exit_status
+            )
+        return ReplicaProcess(
+            restarts=self.restarts,
+            state=ProcessState.EXITED,
+            exit_code=self.exit_status,
+            detail=f"{self.active}/{self.sub}",
+        )
+
+
+class SshLauncher:
+    """Runs replicas on one remote node as systemd units, over one Fabric connection.
+
+    The SSH user is root or has passwordless sudo (the provisioning roles set that up). Engines bind
+    to the node's private address: the IPv4 address of ``node.nic`` when the inventory names one,
+    else ``node.address``; never 0.0.0.0. Secrets travel in a root-owned 0600 ``EnvironmentFile``,
+    written over SFTP, so they are in neither the unit, argv nor a remote process list.
+    """
+
+    name = "ssh"
+
+    def __init__(
+        self,
+        node: Node,
+        conn: Connection,
+        *,
+        host: str,
+        python: str,
+        remote_cache: PurePosixPath,
+        local_cache: Path,
+        unit_user: str | None = None,
+        command_timeout: float = 120.0,
+    ) -> None:
+        self.node = node
+        self.host = host
+        self.python = python
+        self.remote_cache = remote_cache
+        self.local_cache = local_cache
+        self.unit_user = unit_user
+        self.command_timeout = command_timeout
+        self._conn = conn
+        self._real_python: str | None = None
+
+    @classmethod
+    def connect(
+        cls,
+        node: Node,
+        connector: FabricConnector,
+        *,
+        python: str,
+        remote_cache: PurePosixPath,
+        local_cache: Path,
+        connect_timeout: float = 10.0,
+        unit_user: str | None = None,
+    ) -> SshLauncher:
+        """Open SSH to ``node`` and learn its private address; raises ``DiscoveryError`` naming the host."""
+        conn = connector.connection(node, connect_timeout=connect_timeout)
+        launcher = cls(
+            node,
+            conn,
+            host=node.address,
+            python=python,
+            remote_cache=remote_cache,
+            local_cache=local_cache,
+            unit_user=unit_user,
+        )
+        try:
+            launcher.host = launcher.private_address()
+        except BaseException:
+            conn.close()
+            raise
+        return launcher
+
+    def close(self) -> None:
+        self._conn.close()
+
+    # --- remote commands
+
+    def run(self, command: str, *, timeout: float | None = None, check: bool = True) -> RemoteResult:
+        """Run a shell command as root on the node (through ``sudo -n`` for another SSH user)."""
+        from invoke.exceptions import CommandTimedOut
+        from paramiko import SSHException
+
+        if self._conn.user != "root":
+            command = "sudo -n sh -c " + shlex.quote(command)
+        limit = timeout if timeout is not None else self.command_timeout
+        try:
+            res = self._conn.run(command, hide=True, warn=True, in_stream=False, timeout=max(1, int(limit)))
+        except CommandTimedOut:
+            raise LaunchError(
+                f"node {self.node.name}: `{command[:120]}` did not finish within {limit:g}s"
+            ) from None
+        except (SSHException, OSError, EOFError) as exc:
+            raise DiscoveryError(
+                f"host {self.node.name}: SSH session failed: {exc or type(exc).__name__}"
+            ) from None
+        out = RemoteResult(int(res.return_code), str(res.stdout), str(res.stderr))
+        if check and out.exit_code != 0:
+            raise LaunchError(f"node {self.node.name}: `{command[:120]}` failed: {out.said}")
+        return out
+
+    def put_text(self, path: PurePosixPath, text: str, *, mode: int = 0o644) -> None:
+        """Write ``path`` atomically with ``mode``; the file has that mode before any byte is written."""
+        if self._conn.user != "root":
+            # SFTP runs as the SSH user, who cannot write /etc: stage in a private dir, then install.
+            stage = PurePosixPath(self.run("mktemp -d").stdout.strip()) / path.name
+            self._sftp_write(stage, text, 0o600)
+            self.run(f"install -D -m {mode:o} {shlex.quote(str(stage))} {shlex.quote(str(path))}")
+            self.run(f"rm -rf {shlex.quote(str(stage.parent))}")
+            return
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+        self.run(f"mkdir -p {shlex.quote(str(path.parent))}")
+        self._sftp_write(tmp, text, mode)
+        self.run(f"mv -f {shlex.quote(str(tmp))} {shlex.quote(str(path))}")
+
+    def _sftp_write(self, path: PurePosixPath, text: str, mode: int) -> None:
+        from paramiko import SSHException
+
+        try:
+            sftp = self._conn.sftp()
+            # Create empty with the final mode first: a secret never sits in a wider-mode file.
+            sftp.putfo(io.BytesIO(b""), str(path))
+            sftp.chmod(str(path), mode)
+            with sftp.open(str(path), "w") as f:
+                f.write(text.encode())
+        except (SSHException, OSError) as exc:
+            raise LaunchError(f"node {self.node.name}: cannot write {path}: {exc}") from None
+
+    def private_address(self) -> str:
+        """The IPv4 address of ``node.nic`` on the node, else ``node.address``."""
+        if not self.node.nic:
+            return self.node.address
+        res = self.run(f"ip -4 -o addr show dev {shlex.quote(self.node.nic)}", check=False)
+        match = _INET_RE.search(res.stdout)
+        if res.exit_code != 0 or match is None:
+            raise LaunchError(
+                f"node {self.node.name}: interface {self.node.nic} has no IPv4 address ({res.said})",
+                hint="fix the node's nic in the inventory (the interface carrying inter-node traffic)",
+            )
+        return match.group(1)
+
+    def real_python(self) -> str:
+        """The interpreter's resolved path on the node (a venv's python links to its base Python)."""
+        if self._real_python is None:
+            res = self.run(f"readlink -f {shlex.quote(self.python)}", check=False)
+            self._real_python = res.stdout.strip() or self.python
+        return self._real_python
+
+    def _python_check(self, code: str, *args: str) -> RemoteResult:
+        res = self.run(shlex.join([self.python, "-c", code, *args]), check=False)
+        if res.exit_code == 127:
+            raise LaunchError(
+                f"node {self.node.name}: interpreter {self.python} not found",
+                hint="install Sarv's venv there (the sarv_controlplane role) or set SARV_REMOTE_PYTHON",
+            )
+        return res
+
+    # --- Launcher protocol
+
+    def allocate_port(self, preferred: int | None = None) -> int:
+        code = (
+            "import socket,sys\n"
+            "s=socket.socket()\n"
+            "try:\n s.bind((sys.argv[1],int(sys.argv[2])))\n"
+            "except OSError:\n sys.exit(3)\n"
+            "print(s.getsockname()[1])"
+        )
+        res = self._python_check(code, self.host, str(preferred or 0))
+        if res.exit_code == 3:
+            raise LaunchError(
+                f"port {preferred} on {self.node.name} ({self.host}) is already in use",
+                hint="choose another --port, or stop what listens there",
+            )
+        if res.exit_code != 0 or not res.stdout.strip().isdigit():
+            raise LaunchError(f"node {self.node.name}: cannot find a free port on {self.host}: {res.said}")
+        return int(res.stdout.strip())
+
+    def ensure_weights(
+        self,
+        source: str,
+        model: str,
+        *,
+        policy: WeightsPolicy,
+        progress: Callable[[str], None] | None = None,
+    ) -> Path:
+        """Verify ``source`` here, then land the same bytes in the node's cache and check them there."""
+        local = ensure_weights(source, model, self.local_cache, policy=policy, progress=progress)
+        dest = self.remote_cache / model / local.name  # the manifest digest: same bytes, same path
+        qdest = shlex.quote(str(dest))
+        if self.run(f"cd {qdest} && sha256sum --check --quiet {MANIFEST_NAME}", check=False).exit_code == 0:
+            return Path(str(dest))
+        if progress:
+            progress(f"weights: copying {model} to {self.node.name}")
+        work = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}")
+        try:
+            for path in sorted(p for p in local.rglob("*") if p.is_file() and not p.name.startswith(".")):
+                rel = path.relative_to(local).as_posix()
+                target = work / rel
+                self.run(f"mkdir -p {shlex.quote(str(target.parent))}")
+                try:
+                    self._conn.put(str(path), str(target))
+                except OSError as exc:
+                    raise LaunchError(f"node {self.node.name}: cannot copy {rel}: {exc}") from None
+            check = self.run(
+                f"cd {shlex.quote(str(work))} && sha256sum --check --quiet {MANIFEST_NAME}", check=False
+            )
+            if check.exit_code != 0:
+                raise LaunchError(
+                    f"node {self.node.name}: weights of {model} failed their manifest: {check.said}"
+                )
+            # Weights are not secret and engines may run as a dynamic user: world-readable.
+            self.run(f"chmod -R a+rX {shlex.quote(str(work))} && mv -T {shlex.quote(str(work))} {qdest}")
+        finally:
+            self.run(f"rm -rf {shlex.quote(str(work))}", check=False)
+        return Path(str(dest))
+
+    def start(self, replica_id: str, launch: EngineLaunch) -> dict[str, str]:
+        return self.start_unit(self.engine_unit(replica_id, launch), launch)
+
+    def engine_unit(
+        self,
+        replica_id: str,
+        launch: EngineLaunch,
+        *,
+        role: str = "",
+        extra_env: dict[str, str] | None = None,
+        joins: str | None = None,
+    ) -> UnitSpec:
+        """The unit running ``launch`` on this node (``role`` names helper units like Ray's)."""
+        name = unit_name(replica_id, role)
+        argv = list(launch.argv)
+        user = self.unit_user
+        exec_stop = exec_stop_post = None
+        if launch.container_name is not None:
+            # systemd supervises the container: run it in the foreground (no --detach) and let
+            # systemd, not dockerd, restart it, so the unit's state is the container's.
+            argv = _foreground_docker(argv)
+            exec_stop = [argv[0], "stop", "--time", "20", launch.container_name]
+            exec_stop_post = [argv[0], "rm", "--force", launch.container_name]
+            user = "root"  # the docker socket is root's; the container itself runs confined
+        env_file = env_file_path(name) if launch.secret_env else None
+        return UnitSpec(
+            name=name,
+            description=f"Sarv replica {replica_id}{' ' + role if role else ''}",
+            argv=argv,
+            env={**launch.env, **(extra_env or {})},
+            env_file=env_file,
+            user=user,
+            exec_stop=exec_stop,
+            exec_stop_post=exec_stop_post,
+            protect_home=_protect_home(self.real_python()),
+            joins_namespace_of=joins,
+            after=[joins] if joins else [],
+        )
+
+    def start_unit(self, unit: UnitSpec, launch: EngineLaunch | None = None) -> dict[str, str]:
+        """Install ``unit`` (and its 0600 env file) and (re)start it; returns the replica handle."""
+        if unit.env_file is not None and launch is not None:
+            lines = []
+            for key, value in sorted(launch.secret_env.items()):
+                text = value.get_secret_value()
+                if "\n" in text or "\r" in text or not key.isidentifier():
+                    raise LaunchError(
+                        f"secret {key} cannot be written to an env file (bad name or a newline)"
+                    )
+                lines.append(f"{key}={text}\n")
+            self.run(f"install -d -m 0700 {shlex.quote(str(unit.env_file.parent))}")
+            self.put_text(unit.env_file, "".join(lines), mode=0o600)
+        try:
+            self.put_text(UNIT_DIR / unit.name, render_unit(unit), mode=0o644)
+            res = self.run(
+                f"systemctl daemon-reload && (systemctl reset-failed {unit.name} 2>/dev/null; true) && "
+                f"systemctl restart {unit.name}",
+                check=False,
+            )
+            if res.exit_code != 0:
+                # Type=exec: a missing interpreter or a sandbox refusal fails the start itself.
+                tail = self.run(f"journalctl -u {unit.name} -n 20 --no-pager -o cat", check=False).stdout
+                why = _last_error(tail) or res.said
+                raise LaunchError(
+                    f"node {self.node.name}: unit {unit.name} failed to start: {why}",
+                    hint=f"ssh {self.node.name} journalctl -u {unit.name}",
+                )
+        except BaseException:
+            # The deployer only rolls back what start() returned: nothing of this unit may stay.
+            self.remove_unit(unit.name)
+            raise
+        return {
+            "launcher": self.name,
+            "host": self.node.name,
+            "unit": unit.name,
+            "env_file": str(unit.env_file or ""),
+            "log": f"ssh {self.node.name} journalctl -u {unit.name}",
+        }
+
+    def unit_state(self, unit: str) -> UnitState:
+        res = self.run(
+            "systemctl show --property=LoadState,ActiveState,SubState,ExecMainStatus,NRestarts "
+            + shlex.quote(unit),
+            check=False,
+        )
+        props = dict(line.partition("=")[::2] for line in res.stdout.splitlines() if "=" in line)
+        status = props.get("ExecMainStatus", "")
+        return UnitState(
+            load=props.get("LoadState", "not-found"),
+            active=props.get("ActiveState", "inactive"),
+            sub=props.get("SubState", "dead"),
+            exit_status=int(status) if status.isdigit() and status != "0" else None,
+            restarts=int(props.get("NRestarts", "0") or 0) if props.get("NRestarts", "").isdigit() else 0,
+        )
+
+    def poll(self, handle: dict[str, str]) -> ReplicaProcess:
+        unit = handle.get("unit", "")
+        if not unit:
+            return ReplicaProcess(state=ProcessState.GONE)
+        return self.unit_state(unit).process
+
+    def stop(self, handle: dict[str, str], *, timeout: float = 30.0) -> None:
+        unit = handle.get("unit", "")
+        if unit:
+            self.remove_unit(unit, timeout=timeout)
+
+    def remove_unit(self, unit: str, *, timeout: float = 30.0) -> None:
+        """Stop ``unit`` and remove every file it had; a unit that is already gone is a no-op."""
+        q = shlex.quote(unit)
+        env = shlex.quote(str(env_file_path(unit)))
+        self.run(f"systemctl stop {q} 2>/dev/null; true", timeout=timeout + 30)
+        # StateDirectory of a DynamicUser unit lives under /var/lib/private; both paths are removed.
+        state = shlex.quote("sarv/" + unit.removesuffix(".service"))
+        self.run(
+            f"rm -f {UNIT_DIR}/{q} {env} && systemctl daemon-reload && "
+            f"(systemctl reset-failed {q} 2>/dev/null; true) && "
+            f"rm -rf /var/lib/{state} /var/lib/private/{state}"
+        )
+        if self.unit_state(unit).active in _RUNNING:
+            raise LaunchError(f"node {self.node.name}: unit {unit} still runs after stop")
+
+    def logs(self, handle: dict[str, str], *, follow: bool = False, tail: int = 200) -> Iterator[str]:
+        unit = handle.get("unit", "")
+        if not unit:
+            return
+        base = f"journalctl --unit {shlex.quote(unit)} --no-pager --output cat --show-cursor"
+        res = self.run(f"{base} --lines {max(0, tail) or 'all'}", check=False)
+        cursor = yield from _journal_lines(res.stdout)
+        # Follow by polling with the journal cursor until the unit stops (like `tail -f --pid`).
+        while follow and self.unit_state(unit).process.state is ProcessState.RUNNING:
+            time.sleep(1.0)
+            after = f" --after-cursor {shlex.quote(cursor)}" if cursor else ""
+            cursor = (yield from _journal_lines(self.run(base + after, check=False).stdout)) or cursor
+
+
+def _journal_lines(text: str) -> Generator[str, None, str]:
+    """Yield journal lines; return the ``-- cursor: …`` that ``--show-cursor`` appends."""
+    cursor = ""
+    for line in text.splitlines():
+        if line.startswith("-- cursor: "):
+            cursor = line.removeprefix("-- cursor: ")
+        elif line != "-- No entries --":
+            yield line
+    return cursor
+
+
+def _last_error(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if any(w in line.lower() for w in ("error", "failed", "exception", "denied")):
+            return line[:300]
+    return lines[-1][:300] if lines else ""
+
+
+def _protect_home(python: str) -> str:
+    """``ProtectHome=yes`` hides /root and /home; keep them read-only when the interpreter lives there."""
+    return "read-only" if python.startswith(("/root/", "/home/")) else "yes"
+
+
+def _foreground_docker(argv: list[str]) -> list[str]:
+    """``docker run`` argv without ``--detach`` and ``--restart``: systemd supervises and restarts."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in {"--detach", "-d"}:
+            continue
+        if arg == "--restart":
+            skip = True
+            continue
+        if arg.startswith("--restart="):
+            continue
+        out.append(arg)
+    return out
+
+
+def handle_units(handle: dict[str, str]) -> dict[str, list[str]]:
+    """``node → units`` of a multi-node handle (JSON in ``handle["units"]``)."""
+    raw = json.loads(handle.get("units", "{}") or "{}")
+    return {str(k): [str(u) for u in v] for k, v in raw.items()} if isinstance(raw, dict) else {}
