@@ -60,6 +60,11 @@ class SqliteStore:
             return fn()
         except sqlite3.Error as exc:
             raise StateError(f"state file {self.path}: {exc}", hint=_hint(exc)) from None
+        except OSError as exc:  # creating the directory or the file
+            raise StateError(
+                f"state file {self.path}: {exc.strerror or exc}",
+                hint="check the permissions of the file and its directory",
+            ) from None
 
     def _open(self) -> sqlite3.Connection:
         _create_private(self.path)

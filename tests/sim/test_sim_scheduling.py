@@ -143,3 +143,25 @@ def test_fixed_latency_mode_sends_fixed_chunks(sim_server: SimFactory) -> None:
     assert len([c for c in stream if c.choices]) == 9
     out = client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}])
     assert out.usage is not None and out.usage.completion_tokens == 9
+
+
+def test_request_waits_for_kv_capacity(sim_server: SimFactory) -> None:
+    # 16 blocks; the running request reserves 13 ((150 + 50) / 16 rounded up), the next needs 7: it
+    # waits although max_num_seqs would admit it.
+    sim = sim_server(
+        ttft_ms=0, itl_ms=50, kv_cache_tokens=256, max_model_len=256, enable_prefix_caching=False
+    )
+    body = {"model": "sim", "prompt": list(range(150)), "max_tokens": 50, "stream": True}
+    results: list[object] = []
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", sim.url + "/v1/completions", json=body) as first,
+    ):
+        lines = first.iter_lines()  # keep a reference: a collected iterator closes the stream
+        next(lines)
+        second = threading.Thread(target=lambda: results.append(_complete(sim, list(range(99)), 1)))
+        second.start()
+        _wait_metric(sim, "vllm:num_requests_waiting", 1)
+        assert metrics(sim)["vllm:num_requests_running"] == 1
+    second.join(timeout=30)
+    assert len(results) == 1

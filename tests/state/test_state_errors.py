@@ -259,3 +259,11 @@ def test_sqlite_writer_waits_for_another_process_lock(tmp_path: Path) -> None:
     assert released == [True]
     assert store.get_deployment("after-lock") is not None
     store.close()
+
+
+def test_sqlite_path_under_a_file_is_state_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    with pytest.raises(StateError, match="not-a-dir") as info:
+        open_store(f"sqlite:///{blocker / 'state.db'}")
+    assert "\n" not in str(info.value)
