@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.engines.sim import SimConfig, count_tokens, tokenize
+from controlplane.engines.sim import SimConfig, config_args, count_tokens, tokenize
 from controlplane.engines.sim.cli import parse_config
 from controlplane.engines.sim.engine import PrefixCache, SimEngine, block_hashes
 from controlplane.engines.sim.metrics import SimMetrics
@@ -108,3 +108,21 @@ def test_cli_options_map_to_config_fields() -> None:
     assert cfg.model_names == ["x", "a", "b"]
     with pytest.raises(ConfigError, match="load_factor"):
         parse_config(["--load-factor", "0.5"])
+
+
+def test_config_args_round_trip() -> None:
+    cfg = SimConfig(
+        served_model_name="llama",
+        model="/models/llama",
+        lora_modules=["a", "b=/p"],
+        enable_prefix_caching=False,
+        latency_mode="fixed",  # type: ignore[arg-type]
+        task="embed",  # type: ignore[arg-type]
+        load_factor=2.5,
+        crash_after=3,
+        api_key="secret",
+    )
+    args = config_args(cfg)
+    assert "secret" not in args
+    assert parse_config(args) == cfg.model_copy(update={"api_key": None})
+    assert config_args(SimConfig()) == []

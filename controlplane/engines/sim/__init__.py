@@ -7,7 +7,17 @@ factor that grows linearly with running sequences up to ``load_factor`` at ``max
 """
 
 from controlplane.engines.sim.app import SimApp, create_app
+from controlplane.engines.sim.cli import config_args
 from controlplane.engines.sim.config import LatencyMode, SimConfig, SimTask
 from controlplane.engines.sim.tokens import count_tokens, tokenize
 
-__all__ = ["LatencyMode", "SimApp", "SimConfig", "SimTask", "count_tokens", "create_app", "tokenize"]
+__all__ = [
+    "LatencyMode",
+    "SimApp",
+    "SimConfig",
+    "SimTask",
+    "config_args",
+    "count_tokens",
+    "create_app",
+    "tokenize",
+]

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from controlplane.engines.sim.config import SimConfig
 from controlplane.errors import ConfigError, describe_validation_error
 
-__all__ = ["build_parser", "main", "parse_config"]
+__all__ = ["build_parser", "config_args", "main", "parse_config"]
 
 
 # vLLM options with no meaning for a simulator (hardware, weights, parallelism).
@@ -88,6 +88,30 @@ def parse_config(argv: Sequence[str]) -> SimConfig:
         return SimConfig.model_validate(values)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc, what="simulator options")) from None
+
+
+def config_args(config: SimConfig) -> list[str]:
+    """The command-line options that reproduce ``config`` (fields left at their defaults are omitted).
+
+    ``api_key`` is never put on the command line, where any user could read it in the process list:
+    pass it as ``VLLM_API_KEY`` in the environment.
+    """
+    out: list[str] = []
+    defaults = SimConfig()
+    for name in SimConfig.model_fields:
+        value = getattr(config, name)
+        if name == "api_key" or value == getattr(defaults, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif isinstance(value, list):
+            out += [flag, *value]
+        elif isinstance(value, enum.Enum):
+            out += [flag, str(value.value)]
+        else:
+            out += [flag, str(value)]
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
