@@ -42,10 +42,10 @@ def _wait_metric(sim: SimProcess, name: str, value: float, timeout: float = 20.0
 
 
 def test_second_request_waits_when_max_num_seqs_is_one(sim_server: SimFactory) -> None:
-    # Tokens arrive every 50 ms for 200 tokens: the first request holds the only slot for ~10 s, far
+    # Tokens arrive every 50 ms for 1000 tokens: the first request holds the only slot for ~50 s, far
     # longer than the assertions below need; it is closed as soon as they are done.
     sim = sim_server(max_num_seqs=1, ttft_ms=0, itl_ms=50)
-    body = {"model": "sim", "prompt": "first", "max_tokens": 200, "stream": True}
+    body = {"model": "sim", "prompt": "first", "max_tokens": 1000, "stream": True}
     results: list[int] = []
     with (
         httpx.Client(timeout=60) as client,
@@ -70,7 +70,7 @@ def test_second_request_waits_when_max_num_seqs_is_one(sim_server: SimFactory) -
 
 def test_disconnect_while_queued_frees_the_queue(sim_server: SimFactory) -> None:
     sim = sim_server(max_num_seqs=1, ttft_ms=0, itl_ms=50)
-    body = {"model": "sim", "prompt": "p", "max_tokens": 200, "stream": True}
+    body = {"model": "sim", "prompt": "p", "max_tokens": 1000, "stream": True}
     with httpx.Client(timeout=60) as c1, c1.stream("POST", sim.url + "/v1/completions", json=body) as first:
         lines = first.iter_lines()  # keep a reference: a collected iterator closes the stream
         next(lines)
@@ -124,7 +124,7 @@ def test_lru_eviction_at_capacity(sim_server: SimFactory) -> None:
 
 
 def test_kv_usage_reflects_running_requests(sim_server: SimFactory) -> None:
-    sim = sim_server(ttft_ms=0, itl_ms=50, kv_cache_tokens=1024, max_model_len=512)
+    sim = sim_server(ttft_ms=0, itl_ms=500, kv_cache_tokens=1024, max_model_len=512)
     body = {"model": "sim", "prompt": list(range(200)), "max_tokens": 56, "stream": True}
     with (
         httpx.Client(timeout=60) as client,
@@ -147,9 +147,9 @@ def test_fixed_latency_mode_sends_fixed_chunks(sim_server: SimFactory) -> None:
 
 def test_request_waits_for_kv_capacity(sim_server: SimFactory) -> None:
     # 16 blocks; the running request reserves 13 ((150 + 50) / 16 rounded up), the next needs 7: it
-    # waits although max_num_seqs would admit it.
+    # waits although max_num_seqs would admit it. Tokens 500 ms apart hold the blocks for ~25 s.
     sim = sim_server(
-        ttft_ms=0, itl_ms=50, kv_cache_tokens=256, max_model_len=256, enable_prefix_caching=False
+        ttft_ms=0, itl_ms=500, kv_cache_tokens=256, max_model_len=256, enable_prefix_caching=False
     )
     body = {"model": "sim", "prompt": list(range(150)), "max_tokens": 50, "stream": True}
     results: list[object] = []
