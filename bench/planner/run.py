@@ -215,6 +215,10 @@ def solve_exact(reps: list[tuple[int, list[Option]]], fleet: Fleet, time_limit: 
 # --- runs
 
 
+def progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
 def pin_one_core() -> str:
     try:
         core = min(os.sched_getaffinity(0))
@@ -229,11 +233,15 @@ def full_run(catalog: Catalog, nodes: int, replicas: int, repeats: int, seed: in
     fleet = make_fleet(nodes, rng)
     requests = make_requests(catalog, replicas, rng)
     times = []
+    cpu_times = []
     plans: list[Plan] = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        # Wall time and this process's CPU time: on a shared machine the CPU time is the fairer number.
+        t0, c0 = time.perf_counter(), time.process_time()
         plans = plan_many(fleet, requests)
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
+        progress(f"full run: {times[-1]:.3f} s wall, {cpu_times[-1]:.3f} s CPU")
     again = plan_many(fleet, requests)
     reps = replica_list(requests, fleet)
     lb_mem, lb_min = lower_bounds(reps, fleet)
@@ -257,6 +265,8 @@ def full_run(catalog: Catalog, nodes: int, replicas: int, repeats: int, seed: in
         "nodes_touched": len({s.node for p in plans for r in p.replicas for s in r.shards}),
         "seconds_min": round(min(times), 3),
         "seconds_median": round(statistics.median(times), 3),
+        "cpu_seconds_min": round(min(cpu_times), 3),
+        "cpu_seconds_median": round(statistics.median(cpu_times), 3),
         "deterministic": [p.model_dump() for p in again] == [p.model_dump() for p in plans],
         "placed_min_gpus_bound": placed_min,
     }
@@ -286,6 +296,9 @@ def subset_run(catalog: Catalog, nodes: int, fill: float, seed: int, time_limit:
     while True:
         reps = replica_list(requests, fleet)
         exact = solve_exact(reps, fleet, time_limit)
+        progress(
+            f"subset {seed}: {len(reps)} replicas, exact placed {exact['placed']} in {exact['seconds']} s"
+        )
         if exact["placed"] == len(reps) or len(requests) == 1:
             break
         requests.pop()
@@ -324,12 +337,13 @@ def table(full: dict[str, object], subsets: list[dict[str, object]]) -> str:
         "### Full fleet",
         "",
         "| nodes | GPUs | replicas | placed | unplaced | GPUs used | LB ⌈Σdemand/capacity⌉ | LB Σ min GPUs "
-        "| used / LB | nodes touched | seconds (min / median) | deterministic |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| used / LB | nodes touched | wall s (min / median) | CPU s (min / median) | deterministic |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         f"| {full['nodes']} | {full['gpus']} | {full['replicas']} | {full['placed']} | {full['unplaced']} "
         f"| {full['gpus_used']} | {full['lower_bound_memory']} | {full['lower_bound_min_gpus']} "
         f"| {ratio:.3f} | {full['nodes_touched']} "
-        f"| {full['seconds_min']} / {full['seconds_median']} | {full['deterministic']} |",
+        f"| {full['seconds_min']} / {full['seconds_median']} "
+        f"| {full['cpu_seconds_min']} / {full['cpu_seconds_median']} | {full['deterministic']} |",
         "",
         "### Subsets against the exact MILP (HiGHS via PuLP)",
         "",
@@ -352,8 +366,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="200 nodes, 400 replicas, 3 subsets")
     ap.add_argument("--seed", type=int, default=2026)
     ap.add_argument("--solver-seconds", type=float, default=60.0)
+    ap.add_argument("--subsets", type=int, default=9, help="how many of the exact-solver subsets to run")
     args = ap.parse_args()
     pinned = pin_one_core()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     catalog = Catalog.load()
     if args.quick:
         full = full_run(catalog, 200, 400, 2, args.seed)
@@ -374,7 +390,13 @@ def main() -> None:
         "targets": {"seconds": 1.0, "gpu_ratio": 1.02, "misses": 0},
     }
     result = {
-        "machine": {"python": sys.version.split()[0], "platform": platform.platform(), "cpu": pinned},
+        "machine": {
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "cpu": pinned,
+            "cores": os.cpu_count(),
+            "load_average_at_start": round(load, 2),
+        },
         "full": full,
         "subsets": subsets,
         "summary": summary,
