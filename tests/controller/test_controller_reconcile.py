@@ -375,3 +375,39 @@ def test_bad_config_is_one_line(tmp_path: Path, text: str, match: str) -> None:
 def test_missing_config_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read controller config"):
         load_controller_config(tmp_path / "absent.yaml")
+
+
+@pytest.mark.slow
+async def test_replicas_of_a_real_deploy_are_promoted_and_listed(
+    tmp_path: Path, client: httpx.AsyncClient
+) -> None:
+    """`llmctl deploy --no-wait` records loading replicas; the controller marks them ready and lists them."""
+    import asyncio
+
+    from fixtures.vllm import LlmctlEnv, kill_groups
+
+    env = LlmctlEnv.create(tmp_path / "home")
+    targets = tmp_path / "targets.json"
+    store = open_store(env.env["SARV_STATE_URL"])
+    try:
+        env.llmctl("deploy", "sarv-tiny", "--engine", "sim", "--replicas", "2", "--no-wait", check=True)
+        rec = Reconciler(store=store, client=client, config=ControllerConfig(targets_file=targets))
+        for _ in range(300):
+            await rec.run_once()
+            if all(r.state is ReplicaState.READY for r in store.list_replicas()):
+                break
+            await asyncio.sleep(0.1)
+        states = {r.id: r.state for r in store.list_replicas()}
+        assert states == {"sarv-tiny-0": ReplicaState.READY, "sarv-tiny-1": ReplicaState.READY}
+        assert target_ids(targets) == ["sarv-tiny-0", "sarv-tiny-1"]
+        report = await rec.run_once()
+        assert report.decisions["sarv-tiny"].recommended == 2  # default policy: what was deployed
+
+        env.llmctl("undeploy", "sarv-tiny", check=True, timeout=60)
+        await rec.run_once()
+        assert target_ids(targets) == []
+    finally:
+        pids = [int(r.handle["pid"]) for r in store.list_replicas() if r.handle.get("pid")]
+        store.close()
+        env.llmctl("undeploy", "sarv-tiny", timeout=60)
+        assert kill_groups(pids) == []
