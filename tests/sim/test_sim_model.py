@@ -71,7 +71,7 @@ def test_latency_model_prefill_and_load() -> None:
 
 
 def test_metrics_text_parses_with_counters_and_buckets() -> None:
-    m = SimMetrics("my-model", 4096, ["a"], 1)
+    m = SimMetrics("my-model", 4096, ["a"], 1, {"block_size": "16", "num_gpu_blocks": "8"})
     m.ttft.observe(0.03)
     m.itl.observe(0.012, 9)
     m.lora_running["a"] = 1
@@ -84,6 +84,9 @@ def test_metrics_text_parses_with_counters_and_buckets() -> None:
     assert lora["running_lora_adapters"] == "a"
     assert lora["max_lora"] == "1"
     assert families["vllm:prompt_tokens"].type == "counter"
+    info = families["vllm:cache_config_info"].samples[0]
+    assert info.labels == {"block_size": "16", "num_gpu_blocks": "8", "engine": "0"}
+    assert info.value == 1
     tokens = [s.labels["le"] for s in families["vllm:request_prompt_tokens"].samples if "le" in s.labels]
     assert tokens[:4] == ["1.0", "2.0", "5.0", "10.0"]
     assert tokens[-2:] == ["2000.0", "+Inf"]

@@ -102,6 +102,11 @@ class SimApp:
             config.max_model_len,
             config.adapter_names,
             max_lora=len(config.lora_modules),
+            cache_info={
+                "block_size": str(config.block_size),
+                "num_gpu_blocks": str(config.kv_cache_tokens // config.block_size),
+                "enable_prefix_caching": str(config.enable_prefix_caching),
+            },
         )
         self.engine = SimEngine(config, self.metrics)
         self._rng = random.Random(config.seed)  # noqa: S311 - reproducible failure draws, not security
@@ -166,7 +171,7 @@ class SimApp:
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._check_ready()
-        await _respond(send, 200, b"", _JSON)
+        await _respond(send, 200, b"", [])  # vLLM answers an empty 200
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         await _respond(send, 200, self.metrics.render(), _METRICS_TYPE)

@@ -64,7 +64,18 @@ class Histogram:
 class SimMetrics:
     """Counters, gauges and histograms of one replica, rendered as Prometheus text."""
 
-    def __init__(self, model_name: str, max_model_len: int, adapters: list[str], max_lora: int) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        adapters: list[str],
+        max_lora: int,
+        cache_info: dict[str, str] | None = None,
+    ) -> None:
+        # vLLM's cache_config_info labels (a subset: what routers read to size a replica's KV cache).
+        self._cache_info = ",".join(
+            f'{k}="{_escape(v)}"' for k, v in {**(cache_info or {}), "engine": "0"}.items()
+        )
         self._labels = f'model_name="{_escape(model_name)}",engine="0"'
         self._max_lora = max_lora
         self.lora_running: dict[str, int] = dict.fromkeys(adapters, 0)
@@ -109,6 +120,8 @@ class SimMetrics:
                 out.append(f'{name}_bucket{{{lb},le="{_fmt(bound)}"}} {_fmt(cumulative)}\n')
             out.append(f"{name}_count{{{lb}}} {_fmt(h.count)}\n{name}_sum{{{lb}}} {_fmt(h.sum)}\n")
 
+        family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig")
+        out.append(f"vllm:cache_config_info{{{self._cache_info}}} 1.0\n")
         scalar(
             "vllm:num_requests_running",
             "gauge",
