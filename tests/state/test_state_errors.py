@@ -19,6 +19,7 @@ from controlplane.errors import ConfigError, StateError
 from controlplane.settings import Settings
 from controlplane.state import open_store, redact_url
 from controlplane.state.sqlite import SCHEMA_VERSION
+from controlplane.state.url import RedisTarget, SqliteTarget, parse_state_url
 
 SECRET = "hunter2-Very-Secret"
 
@@ -267,3 +268,22 @@ def test_sqlite_path_under_a_file_is_state_error(tmp_path: Path) -> None:
     with pytest.raises(StateError, match="not-a-dir") as info:
         open_store(f"sqlite:///{blocker / 'state.db'}")
     assert "\n" not in str(info.value)
+
+
+def test_url_forms_parse() -> None:
+    assert parse_state_url("sqlite:////var/lib/sarv/state.db") == SqliteTarget(Path("/var/lib/sarv/state.db"))
+    assert parse_state_url("sqlite:///rel.db") == SqliteTarget(Path("rel.db"))
+    t = parse_state_url("redis://us%40er:p%3Ass@[::1]:6380/2")
+    assert t == RedisTarget(
+        nodes=(("::1", 6380),), db=2, tls=False, cluster=False, username="us@er", password="p:ss"
+    )
+    t = parse_state_url("rediss+cluster://:pw@a:7000,b:7001")
+    assert isinstance(t, RedisTarget)
+    assert (t.nodes, t.tls, t.cluster, t.username, t.password) == (
+        (("a", 7000), ("b", 7001)),
+        True,
+        True,
+        None,
+        "pw",
+    )
+    assert parse_state_url("redis://h") == RedisTarget((("h", 6379),), 0, False, False, None, None)
