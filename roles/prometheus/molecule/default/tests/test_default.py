@@ -58,6 +58,7 @@ def test_targets(host, addr):
     jobs = {t["labels"]["job"]: t for t in targets}
     assert set(jobs) >= {"prometheus", "node", "molecule-extra"}
     assert "sarv-gateway" not in jobs  # the scenario set its group to ""
+    assert "sarv-controller" not in jobs
     assert jobs["node"]["scrapeUrl"] == f"http://{addr}:9100/metrics"
 
 

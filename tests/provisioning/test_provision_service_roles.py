@@ -1,0 +1,245 @@
+"""Service-node Ansible (Redis Cluster, Prometheus, node exporter, Grafana, Sarv's control plane).
+
+Fast checks render and validate what the roles produce; the Molecule tests run ``molecule test`` (destroy,
+create, prepare, converge, idempotence, verify, destroy) in each role directory as a subprocess, against a
+Debian 12 systemd container built from the local image ``sarv-testbed:bookworm`` (scripts/testbed-image),
+named per run through ``SARV_MOLECULE_INSTANCE`` (.config/molecule/config.yml) so runs never collide.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from fixtures.common import REPO, need, need_binary
+
+VENV_BIN = Path(sys.executable).parent
+SERVICE_ROLES = ["redis_cluster", "prometheus", "node_exporter", "grafana", "sarv_controlplane"]
+SERVICE_PLAYBOOKS = ["playbooks/redis.yml", "playbooks/monitoring.yml", "playbooks/controlplane.yml"]
+TESTBED_IMAGE = "sarv-testbed:bookworm"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["ANSIBLE_HOME"] = str(REPO / ".ansible")
+    env["ANSIBLE_FORCE_COLOR"] = "false"
+    env["PY_COLORS"] = "0"
+    env["NO_COLOR"] = "1"
+    env.update(extra)
+    return env
+
+
+def _tool(name: str) -> str:
+    path = VENV_BIN / name
+    return str(path) if path.exists() else need_binary(name)
+
+
+def _tail(text: str, lines: int = 80) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _run(argv: list[str], *, timeout: int = 300, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv, cwd=REPO, env=_env(**env), capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+# --- fast checks -----------------------------------------------------------------------------------------
+
+
+def test_service_argument_specs_match_defaults() -> None:
+    out = _run([str(REPO / "scripts" / "lint-argument-specs"), *(f"roles/{r}" for r in SERVICE_ROLES)])
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("role", SERVICE_ROLES)
+def test_secrets_have_no_default_and_are_no_log(role: str) -> None:
+    defaults = yaml.safe_load((REPO / "roles" / role / "defaults" / "main.yml").read_text())
+    specs = yaml.safe_load((REPO / "roles" / role / "meta" / "argument_specs.yml").read_text())
+    options = specs["argument_specs"]["main"]["options"]
+    secrets = [k for k in defaults if k.endswith(("_password", "_secret_key"))]
+    for key in secrets:
+        assert defaults[key] == "", f"{role}: {key} has a default value"
+        assert options[key].get("no_log") is True, f"{role}: {key} is not no_log in argument_specs"
+
+
+@pytest.mark.parametrize("playbook", SERVICE_PLAYBOOKS)
+def test_service_playbook_syntax(playbook: str) -> None:
+    out = _run(
+        [_tool("ansible-playbook"), "--syntax-check", "-i", "inventory.example.ini", playbook],
+        ANSIBLE_ROLES_PATH=str(REPO / "roles"),
+    )
+    assert out.returncode == 0, _tail(out.stdout + out.stderr)
+
+
+@pytest.mark.parametrize("playbook", SERVICE_PLAYBOOKS)
+def test_service_playbooks_run_preflight_first(playbook: str) -> None:
+    plays = yaml.safe_load((REPO / playbook).read_text())
+    for play in plays:
+        roles = play.get("roles") or []
+        if roles:
+            assert roles[0]["role"] == "preflight", (
+                f"{playbook}: play {play['name']!r} must start with preflight"
+            )
+            assert "always" in roles[0]["tags"]
+
+
+def _render(tmp_path: Path, role: str, template: str, extra_vars: dict[str, object]) -> str:
+    """Render one of a role's templates on this machine against inventory.example.ini's svc-1."""
+    dest = tmp_path / "rendered"
+    playbook = tmp_path / "render.yml"
+    playbook.write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "name": "Render",
+                    "hosts": "svc-1",
+                    "gather_facts": False,
+                    "vars_files": [
+                        str(REPO / "roles" / role / "defaults" / "main.yml"),
+                        str(REPO / "roles" / role / "vars" / "main.yml"),
+                    ],
+                    "tasks": [
+                        {
+                            "name": "Render the template",
+                            "ansible.builtin.template": {
+                                "src": str(REPO / "roles" / role / "templates" / template),
+                                "dest": str(dest),
+                                "mode": "0600",
+                            },
+                        }
+                    ],
+                }
+            ]
+        )
+    )
+    vars_file = tmp_path / "vars.yml"
+    vars_file.write_text(
+        yaml.safe_dump(
+            {"ansible_connection": "local", "ansible_python_interpreter": sys.executable, **extra_vars}
+        )
+    )
+    out = _run(
+        [_tool("ansible-playbook"), "-i", "inventory.example.ini", "-e", f"@{vars_file}", str(playbook)]
+    )
+    assert out.returncode == 0, _tail(out.stdout + out.stderr)
+    return dest.read_text()
+
+
+@pytest.mark.prometheus
+def test_prometheus_config_for_the_example_fleet_passes_promtool(tmp_path: Path) -> None:
+    promtool = need_binary("promtool")
+    text = _render(
+        tmp_path,
+        "prometheus",
+        "prometheus.yml.j2",
+        # no gathered facts: every target falls back to its host's ansible_host
+        {"prometheus_web_listen_address": "10.20.0.101:9090"},
+    )
+    (tmp_path / "prometheus.yml").write_text(text)
+    check = subprocess.run(
+        [promtool, "check", "config", "--syntax-only", str(tmp_path / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    jobs = {j["job_name"]: j for j in yaml.safe_load(text)["scrape_configs"]}
+    # every host of the example inventory gets a node target; GPU nodes a DCGM target
+    node_targets = [sc["labels"]["instance"] for sc in jobs["node"]["static_configs"]]
+    assert sorted(node_targets) == sorted(
+        ["gpu-a1", "gpu-a2", "gpu-b1", "gpu-b2", "gpu-c1", "svc-1", "svc-2", "svc-3"]
+    )
+    dcgm = [sc["targets"][0] for sc in jobs["dcgm"]["static_configs"]]
+    assert sorted(dcgm) == [
+        "10.20.0.11:9400",
+        "10.20.0.12:9400",
+        "10.20.0.21:9400",
+        "10.20.0.22:9400",
+        "10.20.0.31:9400",
+    ]
+    assert jobs["sarv-gateway"]["static_configs"][0]["targets"] == ["10.20.0.101:8080"]
+
+
+def test_redis_config_hashes_user_passwords(tmp_path: Path) -> None:
+    pw = {
+        "redis_cluster_admin_password": "admin-password-0123456789",
+        "redis_cluster_replication_password": "repl-password-0123456789",
+        "redis_cluster_controlplane_password": "cp-password-0123456789",
+        "redis_cluster_gateway_password": "gw-password-0123456789",
+    }
+    text = _render(
+        tmp_path,
+        "redis_cluster",
+        "redis-instance.conf.j2",
+        {**pw, "__redis_cluster_port": 6380, "redis_cluster_bind_address": "10.20.0.101"},
+    )
+    assert "bind 10.20.0.101\n" in text
+    assert "port 6380\n" in text
+    assert "user default reset\n" in text
+    for key in (
+        "redis_cluster_admin_password",
+        "redis_cluster_controlplane_password",
+        "redis_cluster_gateway_password",
+    ):
+        assert pw[key] not in text
+    # only the replication password is stored in clear (masterauth), as Redis requires
+    assert f"masterauth {pw['redis_cluster_replication_password']}\n" in text
+
+
+# --- Molecule --------------------------------------------------------------------------------------------
+
+
+def _need_docker() -> None:
+    docker = need_binary("docker")
+    info = subprocess.run([docker, "info"], capture_output=True, text=True, timeout=60, check=False)
+    need(info.returncode == 0, "the Docker daemon is not running (scripts/test starts it)")
+    image = subprocess.run(
+        [docker, "image", "inspect", TESTBED_IMAGE], capture_output=True, text=True, timeout=60, check=False
+    )
+    need(image.returncode == 0, f"{TESTBED_IMAGE} is missing (scripts/testbed-image builds it)")
+
+
+def molecule_test(cwd: Path, instance: str, *args: str, timeout: int = 1500) -> None:
+    """``molecule test [args]`` in ``cwd``; on failure remove what the run left and show the log's tail."""
+    _need_docker()
+    out = subprocess.run(
+        [_tool("molecule"), "test", *args],
+        cwd=cwd,
+        env=_env(SARV_MOLECULE_INSTANCE=instance),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if out.returncode != 0:
+        docker = shutil.which("docker")
+        if docker:  # `molecule test` destroys on failure; make sure nothing of this run is left behind
+            names = subprocess.run(
+                [docker, "ps", "-aq", "--filter", f"name=^{instance}"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            ).stdout.split()
+            if names:
+                subprocess.run([docker, "rm", "-f", *names], capture_output=True, timeout=120, check=False)
+    assert out.returncode == 0, f"molecule test failed in {cwd.relative_to(REPO)}:\n{_tail(out.stdout, 150)}"
+
+
+@pytest.mark.molecule
+@pytest.mark.docker
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("role", SERVICE_ROLES)
+def test_molecule_service_role(role: str) -> None:
+    molecule_test(REPO / "roles" / role, f"sarv-{role.replace('_', '-')}-{uuid.uuid4().hex[:8]}")
