@@ -233,3 +233,27 @@ def test_deploy_after_no_wait_awaits_the_loading_replica_instead_of_restarting_i
     [replica] = second["replicas"]
     assert replica["state"] == "ready"
     assert int(replica["handle"]["pid"]) == pid
+
+
+def test_logs_follow_ends_when_the_replica_is_undeployed(env: LlmctlEnv) -> None:
+    import subprocess
+    import sys
+
+    env.llmctl("deploy", "sarv-tiny", "--engine", "sim", check=True)
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "controlplane.cli.main", "logs", "sarv-tiny-0", "-f"],
+        env=env.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        first = follower.stdout.readline() if follower.stdout else ""
+        assert "starting sarv-tiny-0" in first
+        env.llmctl("undeploy", "sarv-tiny", check=True)
+        _out, err = follower.communicate(timeout=60)
+        assert follower.returncode == 0, err
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait(timeout=10)
