@@ -196,3 +196,15 @@ def test_no_5xx_for_a_barrage_of_junk(gw):
         for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings"):
             r = _post(gw, path, body)
             assert 400 <= r.status_code < 500, (path, body[:50], r.status_code, r.text)
+
+
+async def test_key_cache_stays_bounded_under_random_keys():
+    from fixtures.gateway import MemoryStore
+
+    from controlplane.gateway.auth import KeyCache, hash_key, new_key
+
+    store = MemoryStore()
+    cache = KeyCache(store, ttl=60, size=50)
+    for _ in range(500):
+        assert await cache.get(hash_key(new_key())) is None
+    assert len(cache._entries) <= 50
