@@ -162,7 +162,9 @@ def _replica_doc(r: ReplicaRecord) -> dict[str, Any]:
         "model": r.model,
         "engine": r.engine.value,
         "node": r.node,
-        "gpus": sorted({g for s in r.shards for g in s.gpus}),
+        # GPUs on ``node`` (pp rank 0); ``shards`` lists every stage's node and GPUs.
+        "gpus": sorted({g for s in r.shards if s.node == r.node for g in s.gpus}),
+        "shards": [s.model_dump() for s in sorted(r.shards, key=lambda s: s.pp_rank)],
         "state": r.state.value,
         "endpoint": r.endpoint,
         "adapters": r.adapters,
@@ -177,6 +179,25 @@ def _replica_doc(r: ReplicaRecord) -> dict[str, Any]:
 def _print_endpoints(replicas: list[ReplicaRecord]) -> None:
     for r in sorted(replicas, key=lambda r: r.index):
         ui.out(f"  {r.id}  {r.state.value:<9} {r.endpoint or '-'}")
+
+
+def _status_rows(doc: dict[str, Any], now: float) -> list[list[str]]:
+    rows: list[list[str]] = []
+    for d in doc["deployments"]:
+        for r in d["replicas"] or [None]:
+            if r is None:
+                rows.append([d["name"], "-", "-", "-", "no replicas", "-", "-"])
+                continue
+            stages = [sh for sh in r["shards"] if sh["gpus"]]
+            if len({sh["node"] for sh in stages}) > 1:
+                gpus = " ".join(f"{sh['node']}:{','.join(map(str, sh['gpus']))}" for sh in stages)
+            else:
+                gpus = ",".join(map(str, r["gpus"])) or "cpu"
+            state = r["state"] + (f" ({r['message']})" if r["message"] else "")
+            rows.append(
+                [d["name"], r["id"], r["node"], gpus, state, r["endpoint"] or "-", _age(r["created_at"], now)]
+            )
+    return rows
 
 
 def register(app: typer.Typer) -> None:
@@ -286,26 +307,7 @@ def register(app: typer.Typer) -> None:
         if output is StatusFormat.JSON:
             ui.print_json(doc)
             return
-        now = time.time()
-        rows = []
-        for d in doc["deployments"]:
-            for r in d["replicas"] or [None]:
-                if r is None:
-                    rows.append([d["name"], "-", "-", "-", "no replicas", "-", "-"])
-                    continue
-                gpus = ",".join(map(str, r["gpus"])) or "cpu"
-                state = r["state"] + (f" ({r['message']})" if r["message"] else "")
-                rows.append(
-                    [
-                        d["name"],
-                        r["id"],
-                        r["node"],
-                        gpus,
-                        state,
-                        r["endpoint"] or "-",
-                        _age(r["created_at"], now),
-                    ]
-                )
+        rows = _status_rows(doc, time.time())
         if not rows:
             ui.out("no deployments")
             return
