@@ -113,4 +113,6 @@ class VllmEngine:
         # An explicit entrypoint: images switched from the module to `vllm serve` across versions.
         argv += ["--entrypoint", "python3", self.image, "-m", "vllm.entrypoints.openai.api_server"]
         argv += vllm_server_args(ctx, model_path=str(mount), host="0.0.0.0", port=_CONTAINER_PORT)  # noqa: S104
+        # GPU only: the CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE instead.
+        argv += ["--gpu-memory-utilization", str(ctx.spec.gpu_memory_utilization)]
         return EngineLaunch(argv=argv, secret_env=secret_env, port=ctx.port, container_name=name)

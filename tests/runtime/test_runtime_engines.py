@@ -53,6 +53,7 @@ def test_vllm_container_argv_is_exact_and_hardened() -> None:
         "--host", "0.0.0.0", "--port", "8000",
         "--tensor-parallel-size", "2", "--pipeline-parallel-size", "1",
         "--dtype", "bfloat16", "--max-model-len", "8192",
+        "--gpu-memory-utilization", "0.9",
     ]  # fmt: skip
     assert "--privileged" not in launch.argv
     assert launch.container_name == "sarv-llama-0"
