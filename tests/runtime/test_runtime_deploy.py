@@ -257,3 +257,19 @@ def test_logs_follow_ends_when_the_replica_is_undeployed(env: LlmctlEnv) -> None
         if follower.poll() is None:
             follower.kill()
             follower.wait(timeout=10)
+
+
+def test_status_json_matches_the_documented_contract(env: LlmctlEnv) -> None:
+    import re
+
+    doc_text = (Path(__file__).resolve().parents[2] / "docs" / "runtime.md").read_text()
+    block = re.search(r"## `llmctl status -o json`\s+```json\n(.*?)```", doc_text, re.S)
+    assert block is not None
+    documented = json.loads(block.group(1))
+    env.llmctl("deploy", "sarv-tiny", "--engine", "sim", check=True)
+    real = env.status()
+    assert real.keys() == documented.keys()
+    [doc_dep], [real_dep] = documented["deployments"], real["deployments"]
+    assert real_dep.keys() == doc_dep.keys()
+    assert real_dep["replicas"][0].keys() == doc_dep["replicas"][0].keys()
+    assert real_dep["replicas"][0]["shards"][0].keys() == doc_dep["replicas"][0]["shards"][0].keys()
