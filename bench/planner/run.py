@@ -301,8 +301,10 @@ def subset_run(catalog: Catalog, nodes: int, fill: float, seed: int, time_limit:
         )
         if exact["placed"] == len(reps) or len(requests) == 1:
             break
-        requests.pop()
-        trimmed += 1
+        # Drop deployments from the end until no more replicas are asked than the solver placed.
+        while len(requests) > 1 and sum(r.spec.replicas for r in requests) > int(exact["placed"]):  # type: ignore[call-overload]
+            requests.pop()
+            trimmed += 1
     t0 = time.perf_counter()
     plans = plan_many(fleet, requests)
     planner_s = time.perf_counter() - t0
