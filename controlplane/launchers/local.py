@@ -127,7 +127,9 @@ class LocalLauncher:
         run = self.run_dir(replica_id)
         run.mkdir(parents=True, exist_ok=True, mode=0o700)
         log = run / "replica.log"
-        env = {**os.environ, **launch.env}
+        # Sarv's own settings (state URL, Redis password …) are none of the engine's business.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SARV_")}
+        env.update(launch.env)
         env.update({k: v.get_secret_value() for k, v in launch.secret_env.items()})
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "ab") as out:

@@ -64,17 +64,23 @@ def test_start_poll_logs_stop_kills_the_whole_group(launcher: LocalLauncher) -> 
     assert oct(Path(handle["log"]).stat().st_mode & 0o777) == "0o600"
 
 
-def test_secret_env_reaches_the_process_but_not_the_log(launcher: LocalLauncher) -> None:
+def test_secret_env_reaches_the_process_but_not_the_log(
+    launcher: LocalLauncher, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from pydantic import SecretStr
 
-    code = "import os; print('key-len', len(os.environ['VLLM_API_KEY']), flush=True)"
+    monkeypatch.setenv("SARV_REDIS_PASSWORD", "not-for-engines")
+    code = (
+        "import os; "
+        "print('key-len', len(os.environ['VLLM_API_KEY']), 'SARV_REDIS_PASSWORD' in os.environ, flush=True)"
+    )
     launch = EngineLaunch(
         argv=[sys.executable, "-c", code], secret_env={"VLLM_API_KEY": SecretStr("s3cr3t")}, port=1
     )
     handle = launcher.start("r-1", launch)
     _wait(lambda: launcher.poll(handle).state is not ProcessState.RUNNING)
     text = "\n".join(launcher.logs(handle))
-    assert "key-len 6" in text
+    assert "key-len 6 False" in text
     assert "s3cr3t" not in text
     launcher.stop(handle)
 
