@@ -1,8 +1,4 @@
-"""The OpenAI-compatible ASGI app: auth, limits, validation, guardrails, routing and the streaming proxy.
-
-A raw ASGI callable rather than a framework: the hot path is one dict lookup per stage and the body bytes
-go upstream untouched, which keeps the added latency well under a millisecond.
-"""
+"""The OpenAI-compatible ASGI app: auth, limits, validation, guardrails, routing and the streaming proxy."""
 
 from __future__ import annotations
 
@@ -39,6 +35,9 @@ from controlplane.gateway.schemas import (
 )
 from controlplane.gateway.tokens import PromptInfo, TokenCounter
 from controlplane.state.base import ApiKeyRecord, StateStore
+
+# A raw ASGI callable rather than a framework: the hot path is one dict lookup per stage and the body bytes
+# go upstream untouched (no re-serialisation), to keep the per-request CPU small.
 
 __all__ = ["GatewayApp"]
 

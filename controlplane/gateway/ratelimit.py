@@ -1,11 +1,4 @@
-"""Per-key request and token limits: a sliding-window counter, atomic in Redis (Lua) or in one process.
-
-The window is the "sliding window counter" of two fixed one-minute buckets: the estimate is
-``previous × (1 − elapsed/60) + current``. It needs two integers per key and limit (no per-request
-entries) and is exact at the window boundary, pessimistic between. Tokens are reserved at admission
-(prompt + ``max_tokens`` or a default) and settled with the real usage at completion, into the bucket the
-reservation was booked in. The daily quota is a UTC-day counter.
-"""
+"""Per-key request and token limits: a sliding-window counter, atomic in Redis (Lua) or in one process."""
 
 from __future__ import annotations
 
@@ -14,6 +7,12 @@ import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+# The window is the "sliding window counter" of two fixed one-minute buckets: the estimate is
+# ``previous × (1 − elapsed/60) + current``. It needs two integers per key and limit (no per-request
+# entries) and is exact at the window boundary, pessimistic between. Tokens are reserved at admission
+# (prompt + ``max_tokens`` or a default) and settled with the real usage at completion, into the bucket the
+# reservation was booked in. The daily quota is a UTC-day counter.
 
 __all__ = [
     "Decision",

@@ -1,11 +1,4 @@
-"""Replica choice: round-robin, least-load and prefix+load over an approximate per-replica prefix index.
-
-Load is what this gateway tracks itself (outstanding requests and tokens) blended with each replica's
-scraped ``vllm:num_requests_waiting|running`` and ``vllm:kv_cache_usage_perc`` while those are fresh, and
-divided by the replica's capacity so that heterogeneous replicas compare. Affinity follows llm-d's
-endpoint picker (chained block hashes, per-replica LRU, scorer weights queue 2 / KV 2 / prefix 3, a
-saturation filter) with AIBrix's load guard on top: affinity is always blended with load.
-"""
+"""Replica choice: round-robin, least-load and prefix+load over an approximate per-replica prefix index."""
 
 from __future__ import annotations
 
@@ -16,6 +9,12 @@ from dataclasses import dataclass, field
 
 from controlplane.gateway.config import RoutingConfig, RoutingPolicy
 from controlplane.spec import ReplicaRecord
+
+# Load is what this gateway tracks itself (outstanding requests and tokens) blended with each replica's
+# scraped ``vllm:num_requests_waiting|running`` and ``vllm:kv_cache_usage_perc`` while those are fresh, and
+# divided by the replica's capacity so that heterogeneous replicas compare. Affinity follows llm-d's
+# endpoint picker (chained block hashes, per-replica LRU, scorer weights queue 2 / KV 2 / prefix 3, a
+# saturation filter) with AIBrix's load guard on top: affinity is always blended with load.
 
 __all__ = ["ReplicaView", "Router"]
 
