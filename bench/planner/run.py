@@ -167,6 +167,7 @@ def solve_exact(reps: list[tuple[int, list[Option]]], fleet: Fleet, time_limit: 
     placed_terms = []
     gpu_terms = []
     cap: dict[str, list[object]] = {name: [] for name, _, _ in nodes}
+    per_replica: list[list[object]] = []
     for r, (_, opts) in enumerate(reps):
         choices = []
         for o in opts:
@@ -189,6 +190,7 @@ def solve_exact(reps: list[tuple[int, list[Option]]], fleet: Fleet, time_limit: 
                     cap[name].append(tp * b)
                     gpu_terms.append(tp * b)
                 prob += pulp.lpSum(stages) == o.pp * c
+        per_replica.append(choices)
         if choices:
             prob += pulp.lpSum(choices) <= 1
             placed_terms.extend(choices)
@@ -203,7 +205,9 @@ def solve_exact(reps: list[tuple[int, list[Option]]], fleet: Fleet, time_limit: 
     elapsed = time.perf_counter() - t0
     placed = round(sum(v.value() or 0 for v in placed_terms))
     used = round(sum(pulp.value(t) or 0 for t in gpu_terms))
+    unplaced = [r for r, ch in enumerate(per_replica) if round(sum(v.value() or 0 for v in ch)) == 0]  # type: ignore[attr-defined]
     return {
+        "unplaced_replicas": unplaced,
         "status": pulp.LpStatus[prob.status],
         "placed": placed,
         "gpus": used,
@@ -301,10 +305,20 @@ def subset_run(catalog: Catalog, nodes: int, fill: float, seed: int, time_limit:
         )
         if exact["placed"] == len(reps) or len(requests) == 1:
             break
-        # Drop deployments from the end until no more replicas are asked than the solver placed.
-        while len(requests) > 1 and sum(r.spec.replicas for r in requests) > int(exact["placed"]):  # type: ignore[call-overload]
-            requests.pop()
-            trimmed += 1
+        # Take out exactly the replicas the solver left unplaced: what remains provably fits (the
+        # solver's own placement), and the next solve finds its GPU optimum.
+        drop: dict[int, int] = {}
+        for r in exact["unplaced_replicas"]:  # type: ignore[attr-defined]
+            drop[reps[r][0]] = drop.get(reps[r][0], 0) + 1
+        kept = []
+        for i, req in enumerate(requests):
+            n = req.spec.replicas - drop.get(i, 0)
+            if n > 0:
+                kept.append(
+                    PlacementRequest(spec=req.spec.model_copy(update={"replicas": n}), model=req.model)
+                )
+        trimmed += sum(drop.values())
+        requests = kept
     t0 = time.perf_counter()
     plans = plan_many(fleet, requests)
     planner_s = time.perf_counter() - t0
@@ -317,7 +331,7 @@ def subset_run(catalog: Catalog, nodes: int, fill: float, seed: int, time_limit:
         "fill": fill,
         "replicas": len(reps),
         "gpus_total": capacity,
-        "trimmed_deployments": trimmed,
+        "trimmed_replicas": trimmed,
         "planner_placed": placed,
         "planner_gpus": used,
         "planner_seconds": round(planner_s, 4),
