@@ -95,7 +95,9 @@ def _deployer(inventory: Path | None, *, progress: Any = None) -> Iterator[Deplo
             fleet=fleet,
             catalog=Catalog.load(settings.catalog),
             planner=_planner,
-            launcher_factory=lambda node: launcher_for(node, settings.home, settings.resolved_model_cache),
+            launcher_factory=lambda node: launcher_for(
+                node, settings.home, settings.resolved_model_cache, settings=settings
+            ),
             engines=default_engines(settings),
             progress=progress,
             python=sys.executable,
