@@ -43,7 +43,9 @@ def test_redis_cluster_formed_and_answers(svc, cfg, addr):
     assert "cluster_state:ok" in info.stdout, info.stdout + info.stderr
     assert "cluster_known_nodes:6" in info.stdout
     assert "cluster_size:3" in info.stdout
-    gw = _redis(svc, addr, cfg["redis_cluster_gateway_password"], "set", "sarv:site-check", "ok", user="sarv-gateway")
+    gw = _redis(
+        svc, addr, cfg["redis_cluster_gateway_password"], "set", "sarv:site-check", "ok", user="sarv-gateway"
+    )
     assert gw.stdout.strip() == "OK", gw.stdout + gw.stderr
 
 
@@ -52,14 +54,16 @@ def test_prometheus_scrapes_every_node_exporter_and_the_control_plane(svc, addr)
     script = (
         "for i in $(seq 1 45); do "
         f"curl -fsS 'http://{addr}:9090/api/v1/targets?state=active' > /tmp/targets.json && "
-        "python3 -c 'import json,sys; t=json.load(open(\"/tmp/targets.json\"))[\"data\"][\"activeTargets\"]; "
-        "want=[x for x in t if x[\"labels\"][\"job\"] in (\"node\",\"sarv-gateway\",\"sarv-controller\",\"prometheus\")]; "
-        "sys.exit(0 if len(want) == 6 and all(x[\"health\"] == \"up\" for x in want) else 1)' && exit 0; "
+        'python3 -c \'import json,sys; t=json.load(open("/tmp/targets.json"))["data"]["activeTargets"]; '
+        'want=[x for x in t if x["labels"]["job"] in ("node","sarv-gateway","sarv-controller","prometheus")]; '
+        'sys.exit(0 if len(want) == 6 and all(x["health"] == "up" for x in want) else 1)\' && exit 0; '
         "sleep 2; done; exit 1"
     )
     res = svc.run(script)
     targets = _get_json(svc, f"http://{addr}:9090/api/v1/targets?state=active")["data"]["activeTargets"]
-    summary = sorted((t["labels"]["job"], t["labels"].get("instance"), t["health"], t["lastError"]) for t in targets)
+    summary = sorted(
+        (t["labels"]["job"], t["labels"].get("instance"), t["health"], t["lastError"]) for t in targets
+    )
     assert res.rc == 0, summary
     nodes = {t["labels"]["instance"] for t in targets if t["labels"]["job"] == "node"}
     assert nodes == {SVC, *GPUS}
@@ -78,10 +82,12 @@ def test_control_plane_services_running(svc, unit):
 
 
 def test_control_plane_uses_the_redis_cluster(svc):
-    cfg = json.loads(svc.check_output(
-        f"SARV_CONFIG=/etc/sarv/config.yaml {VENV}/bin/python -c "
-        "'import json; from controlplane.settings import load_settings; print(json.dumps(load_settings().model_dump(mode=\"json\")))'"
-    ))
+    cfg = json.loads(
+        svc.check_output(
+            f"SARV_CONFIG=/etc/sarv/config.yaml {VENV}/bin/python -c "
+            "'import json; from controlplane.settings import load_settings; print(json.dumps(load_settings().model_dump(mode=\"json\")))'"
+        )
+    )
     assert cfg["state_url"].startswith("redis+cluster://")
     assert cfg["redis_password"] is None  # the secret is not in config.yaml
     journal = svc.check_output("journalctl -u sarv-controller --no-pager -o cat")

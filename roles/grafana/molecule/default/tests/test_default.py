@@ -19,7 +19,8 @@ def test_grafana_ini_holds_secrets_readable_by_grafana_only(host):
 
 
 @pytest.mark.parametrize(
-    "path", ["/etc/grafana/provisioning/datasources/sarv.yml", "/etc/grafana/provisioning/dashboards/sarv.yml"]
+    "path",
+    ["/etc/grafana/provisioning/datasources/sarv.yml", "/etc/grafana/provisioning/dashboards/sarv.yml"],
 )
 def test_provisioning_files_modes(host, path):
     f = host.file(path)

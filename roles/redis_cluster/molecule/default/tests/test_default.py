@@ -20,8 +20,10 @@ def addr(host):
 
 def cli(host, addr, user, password, *args, port=7000):
     """redis-cli as an ACL user; the password goes through stdin (--askpass), never argv."""
-    cmd = " ".join(shlex.quote(a) for a in ["redis-cli", "-c", "-h", addr, "-p", str(port), "--user", user,
-                                             "--askpass", *args])
+    cmd = " ".join(
+        shlex.quote(a)
+        for a in ["redis-cli", "-c", "-h", addr, "-p", str(port), "--user", user, "--askpass", *args]
+    )
     return host.run(f"printf '%s\\n' {shlex.quote(password)} | {cmd}")
 
 
@@ -76,7 +78,9 @@ def test_cluster_formed_with_three_masters_and_three_replicas(host, cfg, addr):
 
 
 def test_aof_enabled(host, cfg, addr):
-    out = cli(host, addr, "sarv-admin", cfg["redis_cluster_admin_password"], "config", "get", "appendonly").stdout
+    out = cli(
+        host, addr, "sarv-admin", cfg["redis_cluster_admin_password"], "config", "get", "appendonly"
+    ).stdout
     assert out.split() == ["appendonly", "yes"]
 
 
