@@ -743,14 +743,15 @@ class GatewayApp:
             else:
                 ttft.observe(now - job.start)
             last = now
-            # One SSE event per token is vLLM's framing: a cheap completion count when usage is absent.
+            # One SSE event per token is vLLM's framing: a cheap completion count when usage is absent
+            # (kept current, so that a client leaving mid-stream is charged for what it received).
             events += chunk.count(b"data: {")
+            job.usage[1] = events
             if b'"usage":{' in chunk:
                 tail = chunk
             out = rewriter.feed(chunk) if rewriter is not None else chunk
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
-        job.usage[1] = events
         if tail:
             _usage_from(tail, job.usage)
         job.flight.done = True
