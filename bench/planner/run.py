@@ -382,6 +382,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="200 nodes, 400 replicas, 3 subsets")
     ap.add_argument("--seed", type=int, default=2026)
     ap.add_argument("--solver-seconds", type=float, default=60.0)
+    ap.add_argument("--subsets", type=int, default=8, help="how many exact-solver subsets to run (at most 8)")
     ap.add_argument("--subsets", type=int, default=9, help="how many of the exact-solver subsets to run")
     args = ap.parse_args()
     pinned = pin_one_core()
@@ -392,12 +393,8 @@ def main() -> None:
         specs = [(20, 0.9, args.seed + i) for i in range(3)]
     else:
         full = full_run(catalog, 1000, 2000, 5, args.seed)
-        specs = [
-            (n, f, args.seed + i)
-            for i, (n, f) in enumerate(
-                [(20, 0.8), (20, 0.95), (30, 0.9), (40, 0.85), (40, 1.0), (50, 0.9), (50, 0.97), (50, 1.1)]
-            )
-        ]
+        sizes = [(20, 0.8), (20, 0.95), (30, 0.9), (40, 0.85), (40, 1.0), (50, 0.9), (50, 0.97), (50, 1.1)]
+        specs = [(n, f, args.seed + i) for i, (n, f) in enumerate(sizes)][: args.subsets]
     subsets = [subset_run(catalog, n, f, s, args.solver_seconds) for n, f, s in specs]
     ratios = [s["gpu_ratio"] for s in subsets if s["gpu_ratio"] is not None]
     summary = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -32,7 +33,16 @@ from controlplane.spec import (
     Strategy,
 )
 
-__all__ = ["CPU_ENGINES", "PlacementRequest", "Planner", "plan", "plan_cpu", "plan_many", "plan_to_json"]
+__all__ = [
+    "ATTEMPTS",
+    "CPU_ENGINES",
+    "PlacementRequest",
+    "Planner",
+    "plan",
+    "plan_cpu",
+    "plan_many",
+    "plan_to_json",
+]
 
 CPU_ENGINES = frozenset({EngineKind.SIM, EngineKind.VLLM_CPU})
 """Engines that run without GPUs; their replicas get :func:`plan_cpu` placements."""
@@ -155,13 +165,19 @@ class Planner:
         *,
         avoid_nodes: Collection[str] = (),
         explain: bool = False,
+        max_gpus: int | None = None,
     ) -> Plan:
-        """Place every replica of ``spec``; what is placed stays taken for later calls on this planner."""
+        """Place every replica of ``spec``; what is placed stays taken for later calls on this planner.
+
+        ``max_gpus`` skips layouts that need more GPUs per replica (not with ``quantization auto``):
+        :func:`plan_many` first places every replica at its cheapest GPU count only.
+        """
         length = _check_request(spec, model)
         if spec.quantization is Quantization.AUTO:
             attempt = self._plan_auto(spec, model, length, avoid_nodes)
         else:
-            attempt = self._place_all(_job(spec, model, length, spec.quantization), avoid_nodes)
+            job = _job(spec, model, length, spec.quantization)
+            attempt = self._place_all(job, avoid_nodes, max_gpus=max_gpus)
         notes = attempt.notes
         if explain and not attempt.unplaced:  # when unplaced, the reasons already go node by node
             job = _job(spec, model, length, attempt.quantization)
@@ -190,7 +206,7 @@ class Planner:
                 return counts
         return {}
 
-    def order_key(self, spec: DeploymentSpec, model: ModelSpec) -> tuple[object, ...]:
+    def order_key(self, spec: DeploymentSpec, model: ModelSpec) -> tuple[int, tuple[float, ...], int]:
         """Sort key for placing many deployments: highest regret first, then largest first.
 
         Regret is how many more GPUs a replica needs on its other GPU types than on its best one,
@@ -202,8 +218,8 @@ class Planner:
         if not counts:
             return (1, (), 0)  # cannot be placed anywhere: last, its reasons come out the same
         if len(counts) == 1:
-            return (0, (-(1 << 20),), -counts[0])
-        return (0, tuple(counts[0] - c for c in counts[1:]), -counts[0])
+            return (0, (-float(1 << 20),), -counts[0])
+        return (0, tuple(float(counts[0] - c) for c in counts[1:]), -counts[0])
 
     # --- quantization
 
@@ -242,13 +258,13 @@ class Planner:
 
     # --- replicas
 
-    def _place_all(self, job: _Job, avoid: Collection[str]) -> _Attempt:
+    def _place_all(self, job: _Job, avoid: Collection[str], *, max_gpus: int | None = None) -> _Attempt:
         spec = job.spec
         attempt = _Attempt(quantization=job.quant)
         used: set[str] = set(avoid)
         layouts_noted: set[tuple[int, bool]] = set()
         for i in range(spec.replicas):
-            found = self._place_one(job, used)
+            found = self._place_one(job, used, max_gpus=max_gpus)
             if found is None:
                 attempt.unplaced = spec.replicas - i
                 attempt.reasons = self._why(job, attempt.unplaced)
@@ -292,12 +308,16 @@ class Planner:
         for pp in range(2, min(layers, most_nodes) + 1):
             yield pp, True
 
-    def _place_one(self, job: _Job, used: set[str]) -> tuple[Candidate, bool] | None:
+    def _place_one(
+        self, job: _Job, used: set[str], *, max_gpus: int | None = None
+    ) -> tuple[Candidate, bool] | None:
         tp = job.spec.tp
         if tp > self._largest_node:
             return None
         types = self.index.gpu_types()
         for pp, across_nodes in self._layouts(job):
+            if max_gpus is not None and tp * pp > max_gpus:
+                continue
             fitting: dict[GpuType, MemoryEstimate] = {}
             for t in types:
                 if not self._could_fit(job, t, pp):
@@ -557,24 +577,88 @@ def plan(
     return planner.plan(spec, model, avoid_nodes=avoid_nodes, explain=explain)
 
 
-def plan_many(fleet: Fleet, requests: Sequence[PlacementRequest], placed: Sequence[Shard] = ()) -> list[Plan]:
+ATTEMPTS = 16
+"""Orders :func:`plan_many` tries at most; it stops at the first that places every replica at its
+cheapest GPU count (the first one, on a fleet with room)."""
+
+
+def plan_many(
+    fleet: Fleet,
+    requests: Sequence[PlacementRequest],
+    placed: Sequence[Shard] = (),
+    *,
+    attempts: int = ATTEMPTS,
+) -> list[Plan]:
     """Place many deployments on one fleet; plans come back in request order.
 
     Requests are placed in :meth:`Planner.order_key` order (highest regret, then largest first), which
-    packs a mixed fleet far better than arrival order; GPU plans only (CPU engines: :func:`plan_cpu`).
+    packs a mixed fleet far better than arrival order. When that leaves replicas unplaced or spends more
+    GPUs than each replica's cheapest layout, up to ``attempts - 1`` perturbed orders (seeded, so the
+    answer is still deterministic) are tried and the best kept: most replicas placed, then fewest
+    GPUs. GPU plans only (CPU engines: :func:`plan_cpu`).
     """
-    utilization = max((r.spec.gpu_memory_utilization for r in requests), default=0.9)
-    planner = Planner(fleet, placed, utilization=utilization)
     for req in requests:
         _check_request(req.spec, req.model)
-    # Sort key: see Planner.order_key; the input position keeps equal keys stable.
-    order = sorted(
-        range(len(requests)), key=lambda i: (*planner.order_key(requests[i].spec, requests[i].model), i)
-    )
+    utilization = max((r.spec.gpu_memory_utilization for r in requests), default=0.9)
+    best: list[Plan] = []
+    best_key: tuple[int, int] | None = None
+    for attempt in range(max(1, attempts)):
+        planner = Planner(fleet, placed, utilization=utilization)
+        counts = [planner.gpu_counts(r.spec, r.model) for r in requests]
+        keys = [planner.order_key(r.spec, r.model) for r in requests]
+        if attempt:
+            # Perturb the regret part of the key by less than two GPUs, seeded by the attempt number.
+            rng = random.Random(attempt)  # noqa: S311 - seeded ordering noise, not security
+            keys = [(k[0], tuple(x + 1.5 * rng.random() for x in k[1]), k[2]) for k in keys]
+        order = sorted(range(len(requests)), key=lambda i: (*keys[i], i))
+        plans = _place_batch(planner, requests, order, counts)
+        n_placed = sum(len(p.replicas) for p in plans)
+        used = sum(len(s.gpus) for p in plans for r in p.replicas for s in r.shards)
+        key = (n_placed, -used)
+        if best_key is None or key > best_key:
+            best, best_key = plans, key
+        cheapest = sum(min(c.values()) * r.spec.replicas for c, r in zip(counts, requests, strict=True) if c)
+        if n_placed == sum(r.spec.replicas for r in requests) and used <= cheapest:
+            break
+    return best
+
+
+def _place_batch(
+    planner: Planner,
+    requests: Sequence[PlacementRequest],
+    order: Sequence[int],
+    counts: Sequence[dict[GpuType, int]],
+) -> list[Plan]:
+    # Two passes. First every replica at its cheapest GPU count only, so a replica that would need
+    # three times its GPUs on a leftover type cannot starve many cheaper ones; then what is left,
+    # with every layout allowed. Quantization auto chooses its own variant and is placed in pass 2.
     plans: dict[int, Plan] = {}
     for i in order:
         req = requests[i]
-        plans[i] = planner.plan(req.spec, req.model, avoid_nodes=req.avoid_nodes)
+        if req.spec.quantization is Quantization.AUTO or not counts[i]:
+            continue
+        plans[i] = planner.plan(
+            req.spec, req.model, avoid_nodes=req.avoid_nodes, max_gpus=min(counts[i].values())
+        )
+    for i in order:
+        req = requests[i]
+        first = plans.get(i)
+        if first is not None and not first.unplaced:
+            continue
+        if first is None:
+            plans[i] = planner.plan(req.spec, req.model, avoid_nodes=req.avoid_nodes)
+            continue
+        rest = req.spec.model_copy(update={"replicas": first.unplaced})
+        used = {s.node for r in first.replicas for s in r.shards}
+        second = planner.plan(rest, req.model, avoid_nodes=[*req.avoid_nodes, *sorted(used)])
+        plans[i] = first.model_copy(
+            update={
+                "replicas": [*first.replicas, *second.replicas],
+                "unplaced": second.unplaced,
+                "reasons": second.reasons,
+                "notes": [*first.notes, *second.notes],
+            }
+        )
     return [plans[i] for i in range(len(requests))]
 
 

@@ -291,3 +291,24 @@ def test_plans_never_break_the_rules(
             assert est.fits and r.per_gpu_memory_gib <= 0.9 * mib / 1024
             if len({s.node for s in r.shards}) > 1:
                 assert len({s.node for s in r.shards}) == r.pp  # across nodes: one stage per node
+
+
+def test_plan_many_does_not_let_an_expensive_fallback_starve_cheap_replicas() -> None:
+    # Four 70B tp=2 replicas fill the 80 GB node; a fifth would need all eight A10s (pp=4). The batch
+    # planner places every replica at its cheapest GPU count first, so the eight 8B replicas get the
+    # A10s and only the fifth 70B is refused, with its reasons.
+    fleet = Fleet(
+        nodes=[
+            node("big", "A100-SXM4-80GB", 8, 81920, nvlink=True),
+            node("small", "A10", 8, 24576),
+        ]
+    )
+    seventy = PlacementRequest(spec=spec(name="seventy", tp=2, replicas=5), model=CAT.get("llama-70b"))
+    eight = PlacementRequest(spec=spec(name="eight", replicas=8), model=CAT.get("llama-3-8b"))
+    p70, p8 = plan_many(fleet, [seventy, eight])
+    assert (len(p70.replicas), p70.unplaced) == (4, 1)
+    assert p70.reasons and "small: 0 free A10" in "\n".join(p70.reasons)
+    assert (len(p8.replicas), p8.unplaced) == (8, 0)
+    assert {r.shards[0].node for r in p8.replicas} == {"small"}
+    # The same input gives the same plans.
+    assert [p.model_dump() for p in plan_many(fleet, [seventy, eight])] == [p70.model_dump(), p8.model_dump()]
