@@ -41,8 +41,8 @@ pick_python() {
 # ensure_venv EXTRAS: .venv with Sarv installed editable with the given extras (comma-separated).
 ensure_venv() {
     local extras="$1" py stamp
-    cd "$SARV_ROOT"
-    stamp=".venv/.sarv-$(cat pyproject.toml | sha256sum | cut -c1-16)-${extras//,/-}"
+    cd "$SARV_ROOT" || return 1
+    stamp=".venv/.sarv-$(sha256sum < pyproject.toml | cut -c1-16)-${extras//,/-}"
     [ -f "$stamp" ] && return 0
     py="$(pick_python)"
     if [ ! -x .venv/bin/python ]; then
@@ -72,8 +72,8 @@ ensure_dockerd() {
     else
         as_root sh -c 'nohup dockerd >/var/log/sarv-dockerd.log 2>&1 &'
     fi
-    local i
-    for i in $(seq 1 60); do
+    local _
+    for _ in $(seq 1 60); do
         docker info >/dev/null 2>&1 && return 0
         sleep 1
     done
