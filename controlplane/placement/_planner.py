@@ -403,12 +403,14 @@ class Planner:
                 level = min(level, group[1])
             return [Candidate(tuple(stages), est, level)]
         out: list[Candidate] = []
-        # Slots wired alike, with the same free GPUs and the same anti-affinity standing, score the
-        # same; the first in strategy order wins ties anyway, so the rest need not be built.
+        # With the built-in scorers, slots wired alike, with the same free GPUs and the same
+        # anti-affinity standing, score the same; the first in strategy order wins ties anyway, so the
+        # rest need not be built. Custom scorers may tell them apart (by name, labels …): keep them all.
+        prune = self._scorers is None
         seen: set[tuple[int, int, bool]] = set()
         for slot in window:
             twin = (slot.topology, slot.free_mask, slot.name in ctx.avoid)
-            if twin in seen:
+            if prune and twin in seen:
                 continue
             seen.add(twin)
             mask = slot.free_mask

@@ -121,3 +121,21 @@ def test_inventory_without_peer_lists_counts_as_nvswitch() -> None:
         gpus=[GPU(index=i, model="H100", memory_total_mib=81920) for i in range(4)],
     )
     assert link_name(n, [0, 3]) == "nvlink"
+
+
+def test_custom_scorers_plug_into_the_pipeline(llama8b: ModelSpec) -> None:
+    """A Scorer is any object with name, weight and score(): here one that wants the last node by name."""
+    from controlplane.placement import Candidate, PlacementContext, Planner
+
+    class LastNode:
+        name = "last-node"
+        weight = 1.0
+
+        def score(self, candidate: Candidate, ctx: PlacementContext) -> float:
+            return int(candidate.stages[0][0].name[1:]) / 3
+
+    fleet = Fleet(nodes=[node(f"n{i}", "A100-80GB", 8, 81920, nvlink=True) for i in (1, 2, 3)])
+    default = Planner(fleet).plan(spec(), llama8b)
+    custom = Planner(fleet, scorers=[LastNode()]).plan(spec(), llama8b)
+    assert default.replicas[0].shards[0].node == "n1"
+    assert custom.replicas[0].shards[0].node == "n3"
