@@ -25,7 +25,11 @@ __all__ = ["error", "out", "print_json", "print_yaml", "progress", "table", "war
 
 def _width() -> int | None:
     cols = os.environ.get("COLUMNS")
-    return int(cols) if cols and cols.isdigit() else None
+    if cols and cols.isdigit():
+        return int(cols)
+    # Piped output (scripts, logs, CI) has no terminal width: rich would assume 80 columns and fold
+    # endpoints and GPU lists mid-word, so give it room; a terminal keeps its real width.
+    return None if sys.stdout.isatty() else 160
 
 
 def _stdout() -> Console:
