@@ -147,7 +147,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=15.0)
     ap.add_argument("--qps-from", type=float, default=20.0)
-    ap.add_argument("--qps-to", type=float, default=160.0)
+    ap.add_argument("--qps-to", type=float, default=190.0)
     ap.add_argument("--groups", type=int, default=32)
     ap.add_argument("--prefix-words", type=int, default=2000, help="shared system prompt, ~1 token per word")
     args = ap.parse_args()
