@@ -164,3 +164,17 @@ def test_wrong_method_and_unknown_route(setup):
     r = httpx.get(f"{gw.url}/v2/whatever")
     assert r.status_code == 404
     assert r.json()["error"]["type"] == "not_found_error"
+
+
+def test_embeddings_route_to_an_embedding_replica(tmp_path, sim_server, gateway_factory):
+    sim = sim_server(served_model_name="emb", task="embed")
+    store = make_store(tmp_path)
+    add_replica(store, sim.url, "emb", rid="emb-0")
+    key = add_key(store, "e")
+    gw = gateway_factory(store)
+    r = httpx.post(f"{gw.url}/v1/embeddings", headers=_auth(key), json={"model": "emb", "input": ["a", "b"]})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["data"]) == 2
+    r = httpx.post(f"{gw.url}/v1/embeddings", headers=_auth(key), json={"model": "emb", "input": 5})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "input"
