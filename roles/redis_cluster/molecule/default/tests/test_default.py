@@ -95,6 +95,9 @@ def test_gateway_user_limited_to_prefix(host, cfg, addr):
     ok = cli(host, addr, "sarv-gateway", pw, "set", "sarv:molecule", "1")
     assert ok.stdout.strip() == "OK", ok.stdout + ok.stderr
     assert cli(host, addr, "sarv-gateway", pw, "get", "sarv:molecule").stdout.strip() == "1"
+    # Sarv's store keys carry the Cluster hash tag {sarv:}
+    tagged = cli(host, addr, "sarv-gateway", pw, "set", "{sarv:}molecule", "1")
+    assert tagged.stdout.strip() == "OK", tagged.stdout + tagged.stderr
     denied = cli(host, addr, "sarv-gateway", pw, "set", "other:key", "1")
     assert "NOPERM" in denied.stdout + denied.stderr
     flush = cli(host, addr, "sarv-gateway", pw, "flushall")
