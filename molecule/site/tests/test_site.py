@@ -44,7 +44,13 @@ def test_redis_cluster_formed_and_answers(svc, cfg, addr):
     assert "cluster_known_nodes:6" in info.stdout
     assert "cluster_size:3" in info.stdout
     gw = _redis(
-        svc, addr, cfg["redis_cluster_gateway_password"], "set", "{sarv:}site-check", "ok", user="sarv-gateway"
+        svc,
+        addr,
+        cfg["redis_cluster_gateway_password"],
+        "set",
+        "{sarv:}site-check",
+        "ok",
+        user="sarv-gateway",
     )
     assert gw.stdout.strip() == "OK", gw.stdout + gw.stderr
 
