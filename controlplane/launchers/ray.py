@@ -13,7 +13,7 @@ from controlplane.engines.base import EngineLaunch
 from controlplane.errors import LaunchError, SarvError
 from controlplane.launchers.base import ProcessState, ReplicaProcess
 from controlplane.launchers.ssh import SshLauncher
-from controlplane.launchers.units import UnitSpec, unit_name
+from controlplane.launchers.units import UnitSpec
 from controlplane.weights import WeightsPolicy
 
 __all__ = ["RayLauncher", "ray_active_nodes"]
@@ -254,8 +254,3 @@ class RayLauncher:
 def _order(handle: dict[str, str]) -> list[tuple[str, str]]:
     raw = json.loads(handle.get("order", "[]") or "[]")
     return [(str(n), str(u)) for n, u in raw] if isinstance(raw, list) else []
-
-
-def group_unit_names(replica_id: str) -> list[str]:
-    """The units a Ray replica may leave on its nodes (for audits and tests)."""
-    return [unit_name(replica_id), unit_name(replica_id, "ray-head"), unit_name(replica_id, "ray-worker")]
