@@ -1,4 +1,4 @@
-"""The site after site.yml: Redis Cluster formed, Prometheus scraping, control plane up, fleet listing fake GPUs."""
+"""The site after site.yml: Redis Cluster formed, Prometheus scraping, control plane up, fake GPUs listed."""
 
 import json
 import os
@@ -61,7 +61,8 @@ def test_prometheus_scrapes_every_node_exporter_and_the_control_plane(svc, addr)
         "for i in $(seq 1 45); do "
         f"curl -fsS 'http://{addr}:9090/api/v1/targets?state=active' > /tmp/targets.json && "
         'python3 -c \'import json,sys; t=json.load(open("/tmp/targets.json"))["data"]["activeTargets"]; '
-        'want=[x for x in t if x["labels"]["job"] in ("node","sarv-gateway","sarv-controller","prometheus")]; '
+        'jobs=("node","sarv-gateway","sarv-controller","prometheus"); '
+        'want=[x for x in t if x["labels"]["job"] in jobs]; '
         'sys.exit(0 if len(want) == 6 and all(x["health"] == "up" for x in want) else 1)\' && exit 0; '
         "sleep 2; done; exit 1"
     )
@@ -91,7 +92,8 @@ def test_control_plane_uses_the_redis_cluster(svc):
     cfg = json.loads(
         svc.check_output(
             f"SARV_CONFIG=/etc/sarv/config.yaml {VENV}/bin/python -c "
-            "'import json; from controlplane.settings import load_settings; print(json.dumps(load_settings().model_dump(mode=\"json\")))'"
+            "'import json; from controlplane.settings import load_settings; "
+            'print(json.dumps(load_settings().model_dump(mode="json")))\''
         )
     )
     assert cfg["state_url"].startswith("redis+cluster://")
@@ -106,7 +108,8 @@ def test_gateway_health(svc, addr):
 
 def test_llmctl_inventory_lists_the_fake_gpus(svc):
     out = svc.check_output(
-        f"SARV_CONFIG=/etc/sarv/config.yaml {VENV}/bin/llmctl inventory -i /etc/sarv/inventory.yml --output json"
+        f"SARV_CONFIG=/etc/sarv/config.yaml {VENV}/bin/llmctl inventory"
+        " -i /etc/sarv/inventory.yml --output json"
     )
     fleet = json.loads(out)
     nodes = {n["name"]: n for n in fleet["nodes"]}
