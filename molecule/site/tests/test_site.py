@@ -3,6 +3,7 @@
 import json
 import os
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -132,3 +133,14 @@ def test_declared_gpus_match_what_the_fake_nvidia_smi_reports(svc):
         topo = gpu_host.check_output(" ".join(shlex.quote(a) for a in topology_argv()))
         gpus = gpus_from_nvidia_smi(query, topo, host=name)
         assert [(g.model, g.memory_total_mib) for g in gpus] == [("A100-SXM4-80GB", 81920)] * 2
+
+
+def test_grafana_provisioned_with_the_repository_dashboards(svc):
+    repo = Path(os.environ["MOLECULE_PROJECT_DIRECTORY"]) / "dashboards"
+    expected = sorted(p.name for p in repo.glob("*.json"))
+    assert expected, f"no dashboards in {repo}"
+    listed = svc.check_output("ls /var/lib/grafana/dashboards/sarv").split()
+    assert sorted(listed) == expected
+    for name in expected:
+        assert json.loads(svc.file(f"/var/lib/grafana/dashboards/sarv/{name}").content_string)["uid"]
+    assert svc.file("/etc/grafana/provisioning/datasources/sarv.yml").mode == 0o640
