@@ -21,12 +21,6 @@ import subprocess
 import pytest
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if "tests/smoke/" in str(item.path).replace(os.sep, "/"):
-            item.add_marker(pytest.mark.gpu)
-
-
 @pytest.fixture(autouse=True)
 def _gpu_host(request: pytest.FixtureRequest) -> None:
     if "tests/smoke/" not in str(request.path).replace(os.sep, "/"):

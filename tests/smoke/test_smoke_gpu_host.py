@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.gpu
+
 DRIVER_BRANCH = os.environ.get("SARV_SMOKE_DRIVER_BRANCH", "550")
 CUDA_VERSION = os.environ.get("SARV_SMOKE_CUDA_VERSION", "12.4")
 MODEL_CACHE = Path(os.environ.get("SARV_SMOKE_MODEL_CACHE", "/var/lib/sarv/models"))
