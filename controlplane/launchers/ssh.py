@@ -315,6 +315,7 @@ class SshLauncher:
             exec_stop=exec_stop,
             exec_stop_post=exec_stop_post,
             protect_home=_protect_home(self.real_python()),
+            private_tmp=_private_tmp(self.python),
             joins_namespace_of=joins,
             after=[joins] if joins else [],
         )
@@ -437,6 +438,12 @@ def _last_error(text: str) -> str:
 def _protect_home(python: str) -> str:
     """``ProtectHome=yes`` hides /root and /home; keep them read-only when the interpreter lives there."""
     return "read-only" if python.startswith(("/root/", "/home/")) else "yes"
+
+
+def _private_tmp(python: str) -> bool:
+    """``PrivateTmp=yes`` gives the unit an empty /tmp: keep the host's when the venv itself lives there
+    (a checkout under /tmp, as in CI); installed nodes use /opt/sarv/venv and keep a private one."""
+    return not python.startswith(("/tmp/", "/var/tmp/"))  # noqa: S108 - a path test, nothing is written
 
 
 def _foreground_docker(argv: list[str]) -> list[str]:

@@ -61,6 +61,8 @@ class UnitSpec(BaseModel):
     exec_stop_post: list[str] | None = None
     protect_home: str = "yes"
     """``yes``, or ``read-only`` when the interpreter lives under /root or /home and must stay reachable."""
+    private_tmp: bool = True
+    """``PrivateTmp=yes`` unless the interpreter's environment lives under /tmp, which it would hide."""
     joins_namespace_of: str | None = None
     """Share this unit's /tmp with another (the engine reaches its Ray head's sockets there)."""
     after: list[str] = Field(default_factory=list)
@@ -147,7 +149,7 @@ def render_unit(spec: UnitSpec) -> str:
         "NoNewPrivileges=yes",
         "ProtectSystem=strict",
         f"ProtectHome={spec.protect_home}",
-        "PrivateTmp=yes",
+        f"PrivateTmp={'yes' if spec.private_tmp else 'no'}",
         "PrivateDevices=no",  # GPU engines need /dev/nvidia*; CPU engines gain nothing from hiding them
         "ProtectKernelTunables=yes",
         "ProtectKernelModules=yes",
