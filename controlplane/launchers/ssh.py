@@ -315,7 +315,7 @@ class SshLauncher:
             exec_stop=exec_stop,
             exec_stop_post=exec_stop_post,
             protect_home=_protect_home(self.real_python()),
-            private_tmp=_private_tmp(self.python),
+            bind_read_only=_tmp_binds(self.python),
             joins_namespace_of=joins,
             after=[joins] if joins else [],
         )
@@ -440,10 +440,15 @@ def _protect_home(python: str) -> str:
     return "read-only" if python.startswith(("/root/", "/home/")) else "yes"
 
 
-def _private_tmp(python: str) -> bool:
-    """``PrivateTmp=yes`` gives the unit an empty /tmp: keep the host's when the venv itself lives there
-    (a checkout under /tmp, as in CI); installed nodes use /opt/sarv/venv and keep a private one."""
-    return not python.startswith(("/tmp/", "/var/tmp/"))  # noqa: S108 - a path test, nothing is written
+def _tmp_binds(python: str) -> list[str]:
+    """``DynamicUser=yes`` implies ``PrivateTmp=yes``, which hides a venv living under /tmp (a checkout
+    there, as CI may use): bind that checkout read-only into the unit. Installed nodes use
+    /opt/sarv/venv and bind nothing."""
+    for root in ("/tmp/", "/var/tmp/"):  # noqa: S108 - a path test, nothing is written there
+        if python.startswith(root):
+            top = python[len(root) :].split("/", 1)[0]
+            return [root + top] if top else []
+    return []
 
 
 def _foreground_docker(argv: list[str]) -> list[str]:

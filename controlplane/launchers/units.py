@@ -61,8 +61,8 @@ class UnitSpec(BaseModel):
     exec_stop_post: list[str] | None = None
     protect_home: str = "yes"
     """``yes``, or ``read-only`` when the interpreter lives under /root or /home and must stay reachable."""
-    private_tmp: bool = True
-    """``PrivateTmp=yes`` unless the interpreter's environment lives under /tmp, which it would hide."""
+    bind_read_only: list[str] = Field(default_factory=list)
+    """Host paths made visible read-only inside the unit's private /tmp (``BindReadOnlyPaths=``)."""
     joins_namespace_of: str | None = None
     """Share this unit's /tmp with another (the engine reaches its Ray head's sockets there)."""
     after: list[str] = Field(default_factory=list)
@@ -149,7 +149,8 @@ def render_unit(spec: UnitSpec) -> str:
         "NoNewPrivileges=yes",
         "ProtectSystem=strict",
         f"ProtectHome={spec.protect_home}",
-        f"PrivateTmp={'yes' if spec.private_tmp else 'no'}",
+        *(f"BindReadOnlyPaths={systemd_quote(p)}" for p in spec.bind_read_only),
+        "PrivateTmp=yes",
         "PrivateDevices=no",  # GPU engines need /dev/nvidia*; CPU engines gain nothing from hiding them
         "ProtectKernelTunables=yes",
         "ProtectKernelModules=yes",

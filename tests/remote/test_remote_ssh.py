@@ -6,7 +6,6 @@ test; GPUs are declared by a fake ``nvidia-smi`` and discovered over SSH.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -25,8 +24,7 @@ pytestmark = [pytest.mark.ssh, pytest.mark.docker, pytest.mark.slow]
 _HARDENING = [
     "NoNewPrivileges=yes",
     "ProtectSystem=strict",
-    # The venv mounted from a checkout under /tmp (as CI may clone) must stay visible to the unit.
-    "PrivateTmp=no" if str(sys.prefix).startswith("/tmp/") else "PrivateTmp=yes",
+    "PrivateTmp=yes",
     "DynamicUser=yes",
     "CapabilityBoundingSet=",
     "EnvironmentFile=/etc/sarv/replicas/sarv-web-0.env",

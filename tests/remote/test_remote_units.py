@@ -11,7 +11,7 @@ from fixtures.common import need
 
 from controlplane.errors import LaunchError
 from controlplane.launchers.ray import ray_active_nodes
-from controlplane.launchers.ssh import _foreground_docker, _private_tmp, _protect_home
+from controlplane.launchers.ssh import _foreground_docker, _protect_home, _tmp_binds
 from controlplane.launchers.units import UnitSpec, env_file_path, render_unit, systemd_quote, unit_name
 
 _RAY_STATUS = """======== Autoscaler status: 2026-11-29 10:21:47.304192 ========
@@ -75,10 +75,10 @@ def test_names_and_env_are_validated() -> None:
         _spec(name="ssh.service")
 
 
-def test_private_tmp_unless_the_venv_lives_under_tmp() -> None:
-    assert _private_tmp("/opt/sarv/venv/bin/python") is True
-    assert _private_tmp("/tmp/checkout/.venv/bin/python") is False
-    assert _private_tmp("/var/tmp/ci/.venv/bin/python") is False
+def test_a_venv_under_tmp_is_bound_into_the_private_tmp() -> None:
+    assert _tmp_binds("/opt/sarv/venv/bin/python") == []
+    assert _tmp_binds("/tmp/checkout/.venv/bin/python") == ["/tmp/checkout"]
+    assert _tmp_binds("/var/tmp/ci/.venv/bin/python") == ["/var/tmp/ci"]
 
 
 def test_protect_home_follows_the_resolved_interpreter() -> None:
