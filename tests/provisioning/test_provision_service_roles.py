@@ -243,3 +243,11 @@ def molecule_test(cwd: Path, instance: str, *args: str, timeout: int = 1500) -> 
 @pytest.mark.parametrize("role", SERVICE_ROLES)
 def test_molecule_service_role(role: str) -> None:
     molecule_test(REPO / "roles" / role, f"sarv-{role.replace('_', '-')}-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.mark.molecule
+@pytest.mark.docker
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_molecule_redis_cluster_tls() -> None:
+    molecule_test(REPO / "roles" / "redis_cluster", f"sarv-redis-tls-{uuid.uuid4().hex[:8]}", "-s", "tls")
