@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from controlplane.catalog import Catalog
@@ -38,12 +40,22 @@ def test_architecture_matches_the_catalog_entry(tmp_path: Path) -> None:
 
 def test_tokenizer_and_chat_template(tmp_path: Path) -> None:
     model = generate_tiny_model(tmp_path / "t")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
-    text = "Hello, Sarv! ünïcode"
-    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
-    prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    # transformers runs in a fresh interpreter, as vLLM loads the tokenizer: in this process other
+    # tests have imported ansible-core, whose sys.intern patch breaks torch's import-time polyfills.
+    check = """
+import json, sys
+from transformers import AutoTokenizer
+tok = AutoTokenizer.from_pretrained(sys.argv[1], local_files_only=True)
+text = "Hello, Sarv! \u00fcn\u00efcode"
+prompt = tok.apply_chat_template(
+    [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+)
+print(json.dumps({"roundtrip": tok.decode(tok.encode(text, add_special_tokens=False)) == text,
+                  "prompt": prompt}))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", check, str(model)], capture_output=True, text=True, check=True, timeout=300
     )
-    assert prompt == "<|bos|><|user|>hi<|end|><|assistant|>"
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["roundtrip"] is True
+    assert result["prompt"] == "<|bos|><|user|>hi<|end|><|assistant|>"
