@@ -112,14 +112,14 @@ def _deployer(inventory: Path | None, *, progress: Any = None) -> Iterator[Deplo
 
 
 def _planner(fleet: Fleet, spec: DeploymentSpec, model: ModelSpec, placed: list[ReplicaRecord]) -> Plan:
-    """GPU placement for ``vllm``; CPU placement on this host for ``vllm-cpu`` and ``sim``."""
+    """GPU placement for ``vllm``; CPU placement for ``vllm-cpu`` and ``sim``: on this host when it is
+    part of the fleet (the embedded default), else on the fleet's nodes (systemd units over SSH)."""
+    from controlplane import placement
     from controlplane.controller import cpu_plan
+    from controlplane.launchers import is_local_node
 
-    if spec.engine is EngineKind.VLLM:
-        from controlplane import placement
-
+    if spec.engine is EngineKind.VLLM or not any(is_local_node(n) for n in fleet.nodes):
         return placement.plan(fleet, spec, model, [s for r in placed for s in r.shards])
-    # Not placement.plan_cpu: until a remote launcher exists, CPU replicas must land on this host.
     return cpu_plan(fleet, spec, model, placed)
 
 
