@@ -26,6 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from controlplane._files import write_atomic
 from controlplane.errors import ProvisionError
 
 __all__ = [
@@ -349,18 +350,10 @@ class Terraform:
 def write_inventory(text: str, path: Path) -> Path:
     """Write the inventory atomically (temporary file in the same directory, then rename)."""
     path = path.expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text if text.endswith("\n") else text + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
         # Inventories carry host addresses, not secrets, yet need not be world-readable either.
-        os.chmod(tmp, 0o640)
-        os.replace(tmp, path)
+        write_atomic(path, text if text.endswith("\n") else text + "\n", mode=0o640)
     except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
         raise ProvisionError(
             f"cannot write inventory {path}: {exc.strerror}", hint="choose a writable path"
         ) from None

@@ -9,15 +9,14 @@ change.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from controlplane._files import write_atomic
 from controlplane.errors import ConfigError, StateError
 from controlplane.spec import ReplicaRecord, ReplicaState
 
@@ -101,26 +100,12 @@ def write_file_sd(path: Path, groups: Sequence[TargetGroup]) -> bool:
     try:
         if path.is_file() and path.read_text(encoding="utf-8") == text:
             return False
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot write Prometheus targets {path}: {exc.strerror}",
-            hint="point the target file at a directory this user can write",
-        ) from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
         # Prometheus usually runs as its own user: the file must be readable by it (targets hold no secrets).
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        write_atomic(path, text, mode=0o644)
     except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
         raise ConfigError(
             f"cannot write Prometheus targets {path}: {exc.strerror}",
-            hint="check free space and permissions of the target directory",
+            hint="check that the target directory exists, is writable by this user and has free space",
         ) from None
     return True
 
