@@ -8,7 +8,6 @@ named per run through ``SARV_MOLECULE_INSTANCE`` (.config/molecule/config.yml) s
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -17,32 +16,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fixtures.ansible import TESTBED_IMAGE
+from fixtures.ansible import ansible_env as _env
+from fixtures.ansible import tail as _tail
+from fixtures.ansible import venv_tool as _tool
 from fixtures.common import REPO, need, need_binary
 
-VENV_BIN = Path(sys.executable).parent
 SERVICE_ROLES = ["redis_cluster", "prometheus", "node_exporter", "grafana", "sarv_controlplane"]
 SERVICE_PLAYBOOKS = ["playbooks/redis.yml", "playbooks/monitoring.yml", "playbooks/controlplane.yml"]
-TESTBED_IMAGE = "sarv-testbed:bookworm"
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["ANSIBLE_HOME"] = str(REPO / ".ansible")
-    env["ANSIBLE_FORCE_COLOR"] = "false"
-    env["PY_COLORS"] = "0"
-    env["NO_COLOR"] = "1"
-    env.update(extra)
-    return env
-
-
-def _tool(name: str) -> str:
-    path = VENV_BIN / name
-    return str(path) if path.exists() else need_binary(name)
-
-
-def _tail(text: str, lines: int = 80) -> str:
-    return "\n".join(text.splitlines()[-lines:])
 
 
 def _run(argv: list[str], *, timeout: int = 300, **env: str) -> subprocess.CompletedProcess[str]:
