@@ -39,28 +39,10 @@ GPU_ROLES = [
 # --- fast checks -----------------------------------------------------------------------------------------
 
 
-def test_site_yml_syntax() -> None:
+@pytest.mark.parametrize("playbook", ["site.yml", "playbooks/gpu_nodes.yml"])
+def test_playbook_syntax(playbook: str) -> None:
     out = subprocess.run(
-        [_tool("ansible-playbook"), "--syntax-check", "-i", "inventory.example.ini", "site.yml"],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert out.returncode == 0, _tail(out.stdout + out.stderr)
-
-
-def test_gpu_playbook_syntax() -> None:
-    out = subprocess.run(
-        [
-            _tool("ansible-playbook"),
-            "--syntax-check",
-            "-i",
-            "inventory.example.ini",
-            "playbooks/gpu_nodes.yml",
-        ],
+        [_tool("ansible-playbook"), "--syntax-check", "-i", "inventory.example.ini", playbook],
         cwd=REPO,
         env=_env(),
         capture_output=True,
