@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     gateway_port: int = Field(default=8080, ge=1, le=65535)
     ratelimit_fail_open: bool = True
     """When the rate limiter's Redis is unreachable: admit (True, the default) or refuse with 503."""
+    ratelimit_lease_fraction: float = Field(default=0.002, ge=0.0, le=0.1)
+    """Share of each limit a gateway books in Redis at once and admits from locally (0: one Redis call per
+    request). A gateway holds back at most this much of a key's limit from the others, for at most 1 s."""
 
     @classmethod
     def settings_customise_sources(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -128,14 +129,20 @@ class InProcessLimiter:
         self._counts.clear()
 
 
-# KEYS: requests(prev, cur), tokens(prev, cur), day.  ARGV: elapsed, rpm, tpm, daily, tokens (0 = none).
-# Returns {"ok"} or {reason, seconds-as-string} (Redis truncates Lua numbers to integers).
+# KEYS: requests(prev, cur), tokens(prev, cur), day.
+# ARGV: elapsed, rpm, tpm, daily (0 = none), need_requests, need_tokens, want_requests, want_tokens.
+# Grants between ``need`` and ``want`` (a lease: the gateway admits from it locally), booking what it grants;
+# returns {"ok", requests, tokens} or {reason, seconds-as-string} when not even ``need`` fits (Redis
+# truncates Lua numbers to integers, hence the string).
 _ADMIT_LUA = """
 local elapsed = tonumber(ARGV[1])
 local rpm = tonumber(ARGV[2])
 local tpm = tonumber(ARGV[3])
 local daily = tonumber(ARGV[4])
-local tokens = tonumber(ARGV[5])
+local need_r = tonumber(ARGV[5])
+local need_t = tonumber(ARGV[6])
+local gr = tonumber(ARGV[7])
+local gt = tonumber(ARGV[8])
 local frac = elapsed / 60
 local function wait(prev, cur, need, limit)
   if cur + need <= limit then
@@ -150,43 +157,98 @@ end
 if rpm > 0 then
   local p = tonumber(redis.call('GET', KEYS[1]) or '0')
   local c = tonumber(redis.call('GET', KEYS[2]) or '0')
-  if p * (1 - frac) + c + 1 > rpm then return {'rpm', tostring(wait(p, c, 1, rpm))} end
+  local room = math.floor(rpm - (p * (1 - frac) + c))
+  if room < math.max(need_r, 1) and need_r > 0 then
+    return {'rpm', tostring(wait(p, c, need_r, rpm))}
+  end
+  gr = math.max(0, math.min(gr, room))
 end
 if tpm > 0 then
   local p = tonumber(redis.call('GET', KEYS[3]) or '0')
   local c = tonumber(redis.call('GET', KEYS[4]) or '0')
-  if p * (1 - frac) + c + tokens > tpm then return {'tpm', tostring(wait(p, c, tokens, tpm))} end
+  local room = math.floor(tpm - (p * (1 - frac) + c))
+  if room < need_t or (need_r > 0 and room < 0) then
+    return {'tpm', tostring(wait(p, c, need_t, tpm))}
+  end
+  gt = math.max(0, math.min(gt, room))
 end
 if daily > 0 then
-  local d = tonumber(redis.call('GET', KEYS[5]) or '0')
-  if d + tokens > daily then return {'daily', '-1'} end
+  local room = daily - tonumber(redis.call('GET', KEYS[5]) or '0')
+  if room < need_t or (need_r > 0 and room < 0) then return {'daily', '-1'} end
+  gt = math.max(0, math.min(gt, room))
 end
-if rpm > 0 then redis.call('INCR', KEYS[2]); redis.call('EXPIRE', KEYS[2], 130) end
-if tpm > 0 then redis.call('INCRBY', KEYS[4], tokens); redis.call('EXPIRE', KEYS[4], 130) end
-if daily > 0 then redis.call('INCRBY', KEYS[5], tokens); redis.call('EXPIRE', KEYS[5], 180000) end
-return {'ok'}
+if gr == 0 or gt < need_t then return {'ok', 0, 0} end  -- a top-up that found no room: nothing booked
+if rpm > 0 then redis.call('INCRBY', KEYS[2], gr); redis.call('EXPIRE', KEYS[2], 130) end
+if tpm > 0 then redis.call('INCRBY', KEYS[4], gt); redis.call('EXPIRE', KEYS[4], 130) end
+if daily > 0 then redis.call('INCRBY', KEYS[5], gt); redis.call('EXPIRE', KEYS[5], 180000) end
+return {'ok', gr, gt}
 """
 
-# KEYS: tokens(window), day.  ARGV: delta.  Only existing counters are adjusted (never resurrected).
+# KEYS: requests(window), tokens(window), day.  ARGV: request delta, token delta.  Only existing counters
+# are adjusted (never resurrected), and never below zero.
 _SETTLE_LUA = """
-for i = 1, 2 do
-  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('INCRBY', KEYS[i], ARGV[1]) end
+local deltas = {tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[2])}
+for i = 1, 3 do
+  if deltas[i] ~= 0 and redis.call('EXISTS', KEYS[i]) == 1 then
+    if redis.call('INCRBY', KEYS[i], deltas[i]) < 0 then redis.call('SET', KEYS[i], 0, 'KEEPTTL') end
+  end
 end
 return 1
 """
 
+_UNBOUNDED = 1 << 62
+
+
+@dataclass(slots=True)
+class _Lease:
+    """Admissions already booked in Redis that this gateway hands out locally until ``expires``."""
+
+    requests: int
+    tokens: int
+    window: int
+    day: int
+    expires: float
+    """``time.monotonic()`` deadline; what is left then goes back to Redis."""
+    size_r: int
+    size_t: int
+    booked_r: bool
+    """The requests were booked in Redis (the key has an ``rpm``), so their rest goes back."""
+    booked_t: bool
+
 
 class RedisLimiter:
-    """Limits shared by every gateway on one Redis (standalone or Cluster: a key's counters share a slot)."""
+    """Limits shared by every gateway on one Redis (standalone or Cluster: a key's counters share a slot).
 
-    def __init__(self, client: Any, *, prefix: str = "sarv:", fail_open: bool = True) -> None:
+    A Redis round trip per request would put Redis's latency, and the scheduling of a second process, into
+    every request's. So a busy key is served from a **lease**: one Lua call books up to ``lease_fraction`` of
+    each of the key's limits at once, and the gateway admits from it locally, topping it up in the
+    background when half is gone. Whatever is booked counts against the limit in Redis, so several gateways
+    together never admit more than the limit; a lease's unused rest goes back after ``lease_ttl`` s (at most
+    ``lease_fraction`` of a limit per gateway is held back meanwhile). Limits too small for a lease of more
+    than one request (``rpm × lease_fraction < 2``) are checked in Redis on every request.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        prefix: str = "sarv:",
+        fail_open: bool = True,
+        lease_fraction: float = 0.002,
+        lease_ttl: float = 1.0,
+    ) -> None:
         """``client``: a ``redis.asyncio.Redis`` or ``RedisCluster`` (typed Any: the types-redis stubs lag
-        redis-py 5+, which added ``aclose`` and cluster scripting)."""
+        redis-py 5+, which added ``aclose`` and cluster scripting). ``lease_fraction`` 0 turns leases off."""
         self._client = client
         self._prefix = prefix
         self._fail_open = fail_open
+        self._lease_fraction = lease_fraction
+        self._lease_ttl = lease_ttl
         self._warned_at = -1e18
-        self._pending: dict[tuple[str, int, int], int] = {}
+        self._pending: dict[tuple[str, int, int], list[int]] = {}
+        self._leases: dict[str, _Lease] = {}
+        self._topping: dict[str, asyncio.Task[None]] = {}
+        self._inflight: dict[str, asyncio.Future[None]] = {}
         self._flusher: asyncio.Task[None] | None = None
         self._flush_interval = 0.05
         self._admit = client.register_script(_ADMIT_LUA)
@@ -196,14 +258,89 @@ class RedisLimiter:
         # {key} is a Cluster hash tag: all counters of one API key live in one slot, so one script sees them.
         return f"{self._prefix}rl:{{{key}}}:{kind}:{n}"
 
+    def _lease_size(self, limits: KeyLimits, tokens: int) -> tuple[int, int] | None:
+        """(requests, tokens) of a lease for this key, or None when its limits are too small for one."""
+        f = self._lease_fraction
+        if f <= 0:
+            return None
+        size_r = _UNBOUNDED if limits.rpm is None else int(limits.rpm * f)
+        token_limits = [x for x in (limits.tpm, limits.daily_tokens) if x is not None]
+        size_t = min(int(x * f) for x in token_limits) if token_limits else _UNBOUNDED
+        if size_r < 2 or size_t < 2 * tokens:
+            return None
+        return min(size_r, 1 << 31), min(size_t, 1 << 40)
+
     async def admit(self, key: str, limits: KeyLimits, tokens: int, now: float) -> Decision:
+        window = int(now // _WINDOW)
+        day = int(now // _DAY)
+        if limits.tpm is not None:
+            tokens = min(tokens, limits.tpm)
+        size = self._lease_size(limits, tokens)
+        if size is None:
+            res = await self._call(key, limits, now, (1, tokens), (1, tokens))
+            return res if isinstance(res, Decision) else self._admitted(key, tokens, window, day)
+        taken = self._take(key, limits, tokens, now)
+        if taken is not None:
+            return taken
+        # One lease call per key at a time: requests that miss meanwhile wait for it and then draw on it,
+        # rather than each booking a lease of its own.
+        fut = self._inflight.get(key)
+        lead = fut is None
+        if fut is None:
+            fut = self._inflight[key] = asyncio.get_running_loop().create_future()
+        else:
+            await asyncio.shield(fut)
+            taken = self._take(key, limits, tokens, now)
+            if taken is not None:
+                return taken
+        try:
+            res = await self._call(key, limits, now, (1, tokens), size if lead else (1, tokens))
+        finally:
+            if lead:
+                del self._inflight[key]
+                fut.set_result(None)
+        if isinstance(res, Decision):
+            return res
+        if res[0] > 1 or res[1] > tokens:
+            self._add_lease(key, limits, (res[0] - 1, res[1] - tokens), at=(window, day), size=size)
+        return self._admitted(key, tokens, window, day)
+
+    @staticmethod
+    def _admitted(key: str, tokens: int, window: int, day: int) -> Decision:
+        return Decision(True, reservation=Reservation(key, tokens, window, day))
+
+    def _take(self, key: str, limits: KeyLimits, tokens: int, now: float) -> Decision | None:
+        """Admit from the key's lease, or None when it cannot cover this request."""
+        lease = self._leases.get(key)
+        if lease is None:
+            return None
+        window = int(now // _WINDOW)
+        day = int(now // _DAY)
+        if lease.window != window or lease.day != day:
+            self._retire(key)  # booked in a bucket that is no longer the current one
+            return None
+        if lease.requests < 1 or lease.tokens < tokens:
+            return None
+        lease.requests -= 1
+        lease.tokens -= tokens
+        low = lease.requests * 2 < lease.size_r or lease.tokens * 2 < lease.size_t
+        if low and key not in self._topping:
+            self._topping[key] = asyncio.create_task(self._top_up(key, limits, now))
+        return self._admitted(key, tokens, window, day)
+
+    async def _call(
+        self,
+        key: str,
+        limits: KeyLimits,
+        now: float,
+        need: tuple[int, int],
+        want: tuple[int, int],
+    ) -> tuple[int, int] | Decision:
+        """One Lua call: (requests, tokens) granted, or the refusal (or the backend failure) as a Decision."""
         from redis.exceptions import RedisError
 
         window = int(now // _WINDOW)
         day = int(now // _DAY)
-        elapsed = now - window * _WINDOW
-        if limits.tpm is not None:
-            tokens = min(tokens, limits.tpm)
         keys = [
             self._k(key, "r", window - 1),
             self._k(key, "r", window),
@@ -212,30 +349,100 @@ class RedisLimiter:
             self._k(key, "d", day),
         ]
         args: list[str | int] = [
-            f"{elapsed:.6f}",
+            f"{now - window * _WINDOW:.6f}",
             limits.rpm or 0,
             limits.tpm or 0,
             limits.daily_tokens or 0,
-            tokens,
+            need[0],
+            need[1],
+            want[0],
+            want[1],
         ]
         try:
             res = await self._admit(keys=keys, args=args)
         except (RedisError, OSError) as exc:
-            if now - self._warned_at >= 10.0:  # one line per 10 s, not one per request
-                self._warned_at = now
-                logger.warning(
-                    "rate limiter unreachable (%s); %s",
-                    exc,
-                    "admitting (fail open)" if self._fail_open else "refusing",
-                )
+            self._warn_unreachable(exc, now)
             return Decision(self._fail_open, "limiter_unavailable", 1.0, backend_error=True)
         tag = res[0].decode() if isinstance(res[0], bytes) else str(res[0])
         if tag == "ok":
-            return Decision(True, reservation=Reservation(key, tokens, window, day))
+            return int(res[1]), int(res[2])
         wait = float(res[1])
         if tag == "daily":
             wait = (day + 1) * _DAY - now
         return Decision(False, tag, max(1.0, math.ceil(wait)))
+
+    def _warn_unreachable(self, exc: BaseException, now: float) -> None:
+        if now - self._warned_at >= 10.0:  # one line per 10 s, not one per request
+            self._warned_at = now
+            logger.warning(
+                "rate limiter unreachable (%s); %s",
+                exc,
+                "admitting (fail open)" if self._fail_open else "refusing",
+            )
+
+    def _add_lease(
+        self,
+        key: str,
+        limits: KeyLimits,
+        granted: tuple[int, int],
+        *,
+        at: tuple[int, int],
+        size: tuple[int, int],
+    ) -> None:
+        """Add what Redis granted (booked in the bucket ``at`` = (window, day)) to the key's lease."""
+        window, day = at
+        lease = self._leases.get(key)
+        if lease is not None and lease.window == window and lease.day == day:
+            lease.requests += granted[0]
+            lease.tokens += granted[1]
+            lease.expires = time.monotonic() + self._lease_ttl
+            return
+        if lease is not None:
+            self._retire(key)
+        self._leases[key] = _Lease(
+            requests=granted[0],
+            tokens=granted[1],
+            window=window,
+            day=day,
+            expires=time.monotonic() + self._lease_ttl,
+            size_r=size[0],
+            size_t=size[1],
+            booked_r=limits.rpm is not None,
+            booked_t=limits.tpm is not None or limits.daily_tokens is not None,
+        )
+        self._schedule_flush()
+
+    async def _top_up(self, key: str, limits: KeyLimits, now: float) -> None:
+        """Book the next part of a key's lease while requests still draw on the current one."""
+        try:
+            lease = self._leases.get(key)
+            if lease is None:
+                return
+            want = (
+                max(0, lease.size_r - lease.requests) if limits.rpm is not None else _UNBOUNDED,
+                max(0, lease.size_t - lease.tokens),
+            )
+            if limits.rpm is not None and want[0] == 0:
+                return
+            res = await self._call(key, limits, now, (0, 0), (min(want[0], 1 << 31), want[1]))
+            if isinstance(res, tuple) and res[0] > 0:
+                at = (int(now // _WINDOW), int(now // _DAY))
+                self._add_lease(key, limits, res, at=at, size=(lease.size_r, lease.size_t))
+        finally:
+            self._topping.pop(key, None)
+
+    def _retire(self, key: str) -> None:
+        """Give a lease's unused part back to the counters it was booked in."""
+        lease = self._leases.pop(key, None)
+        if lease is None:
+            return
+        requests = lease.requests if lease.booked_r else 0
+        tokens = lease.tokens if lease.booked_t else 0
+        if requests or tokens:
+            slot = self._pending.setdefault((key, lease.window, lease.day), [0, 0])
+            slot[0] -= requests
+            slot[1] -= tokens
+            self._schedule_flush()
 
     async def settle(self, reservation: Reservation, actual_tokens: int) -> None:
         """Queue the correction; a flusher applies all corrections of a key together every 50 ms.
@@ -246,24 +453,37 @@ class RedisLimiter:
         delta = actual_tokens - reservation.tokens
         if delta == 0:
             return
-        slot = (reservation.key, reservation.window, reservation.day)
-        self._pending[slot] = self._pending.get(slot, 0) + delta
+        slot = self._pending.setdefault((reservation.key, reservation.window, reservation.day), [0, 0])
+        slot[1] += delta
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush_soon())
 
     async def _flush_soon(self) -> None:
-        await asyncio.sleep(self._flush_interval)
-        await self.flush()
+        # While leases are held, keep ticking: an expired lease goes back even if its key goes quiet.
+        while True:
+            await asyncio.sleep(self._flush_interval)
+            await self.flush()
+            if not self._leases and not self._pending:
+                return
 
-    async def flush(self) -> None:
-        """Apply the queued settlements now."""
+    async def flush(self, *, all_leases: bool = False) -> None:
+        """Apply the queued settlements and give back expired leases (every lease with ``all_leases``)."""
         from redis.exceptions import RedisError
 
+        mono = time.monotonic()
+        for key in [k for k, v in self._leases.items() if all_leases or v.expires <= mono]:
+            self._retire(key)
         pending, self._pending = self._pending, {}
         calls = [
-            self._settle(keys=[self._k(key, "t", window), self._k(key, "d", day)], args=[delta])
-            for (key, window, day), delta in pending.items()
-            if delta
+            self._settle(
+                keys=[self._k(key, "r", window), self._k(key, "t", window), self._k(key, "d", day)],
+                args=[d_req, d_tok],
+            )
+            for (key, window, day), (d_req, d_tok) in pending.items()
+            if d_req or d_tok
         ]
         results = await asyncio.gather(*calls, return_exceptions=True)
         errors = [r for r in results if isinstance(r, RedisError | OSError)]
@@ -274,6 +494,9 @@ class RedisLimiter:
     async def close(self) -> None:
         if self._flusher is not None and not self._flusher.done():
             self._flusher.cancel()
-        if self._pending:
-            await self.flush()
+        for task in list(self._topping.values()):
+            task.cancel()
+        await asyncio.gather(*self._topping.values(), return_exceptions=True)
+        if self._pending or self._leases:
+            await self.flush(all_leases=True)
         await self._client.aclose()

@@ -25,6 +25,20 @@ def _redis_limiter(url: str, **kw) -> RedisLimiter:
     return RedisLimiter(Redis.from_pool(pool), **kw)
 
 
+def _evalsha_calls(url: str) -> int:
+    import redis
+
+    with redis.Redis.from_url(url) as r:
+        return int(r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def _counter(url: str, key: str, kind: str, n: int) -> int:
+    import redis
+
+    with redis.Redis.from_url(url) as r:
+        return int(r.get(f"sarv:rl:{{{key}}}:{kind}:{n}") or 0)
+
+
 async def test_in_process_rpm_tpm_daily():
     lim = InProcessLimiter()
     limits = KeyLimits(rpm=3)
@@ -76,25 +90,36 @@ async def test_redis_limiter_matches_semantics(redis_url):
 
 
 @pytest.mark.redis
-async def test_concurrent_admission_across_gateways_does_not_over_admit(redis_url):
-    # Four limiters = four gateways sharing one Redis, 2,000 concurrent admissions against rpm=500.
+@pytest.mark.parametrize(
+    ("limit", "requests", "least"),
+    [
+        # rpm 500: too small for leases (500 × 0.002 = 1), every admission is checked in Redis: exact
+        (500, 2_000, 0.99),
+        # rpm 10,000: leases of 20; at most one lease (0.2 % of the limit) per gateway is held back
+        (10_000, 16_000, 1 - 4 * 0.002),
+    ],
+    ids=["per-request", "leased"],
+)
+async def test_concurrent_admission_across_gateways_does_not_over_admit(redis_url, limit, requests, least):
+    # Four limiters = four gateways sharing one Redis, all admissions at once, in one minute.
     # fail closed: an admission the limiter could not check must not count as admitted
     limiters = [_redis_limiter(redis_url, fail_open=False) for _ in range(4)]
-    limit = 500
     try:
 
         async def one(i: int) -> tuple[bool, bool]:
             d = await limiters[i % 4].admit("shared", KeyLimits(rpm=limit), 1, T0 + (i % 50) / 100)
             return d.allowed, d.backend_error
 
-        results = await asyncio.gather(*(one(i) for i in range(2000)))
+        results = await asyncio.gather(*(one(i) for i in range(requests)))
     finally:
         for lim in limiters:
             await lim.close()
     assert not any(err for _, err in results)
     admitted = sum(ok for ok, _ in results)
-    assert admitted <= limit * 1.01
-    assert admitted >= limit * 0.99  # and it does not under-admit either
+    assert admitted <= limit
+    assert admitted >= limit * least  # and it does not under-admit either
+    # leases given back on close: Redis counts exactly what was admitted
+    assert _counter(redis_url, "shared", "r", int(T0 // 60)) == admitted
 
 
 @pytest.mark.redis
@@ -117,6 +142,59 @@ async def test_tokens_under_concurrency_with_settlement(redis_url):
     # settled usage never exceeds the limit by more than 1 %
     assert used <= tpm * 1.01
     assert used >= tpm // 2  # reservations alone would admit 100; settlement lets more through
+
+
+@pytest.mark.redis
+async def test_busy_key_is_admitted_from_a_lease(redis_url):
+    # rpm 20,000 × 0.002: leases of 40 requests, so 400 admissions need about 400 / 20 Redis calls, not 400
+    lim = _redis_limiter(redis_url)
+    limits = KeyLimits(rpm=20_000, tpm=100_000_000)
+    before = _evalsha_calls(redis_url)
+    try:
+        for i in range(400):
+            assert (await lim.admit("busy", limits, 100, T0 + i / 1000)).allowed
+            await asyncio.sleep(0)  # let a background top-up run, as it would between requests
+    finally:
+        await lim.close()
+    calls = _evalsha_calls(redis_url) - before
+    assert calls <= 400 // 10, calls
+    # every booked-but-unused admission went back on close: the counters hold exactly what was admitted
+    window = int(T0 // 60)
+    assert _counter(redis_url, "busy", "r", window) == 400
+    assert _counter(redis_url, "busy", "t", window) == 400 * 100
+
+
+@pytest.mark.redis
+async def test_unused_lease_goes_back_after_its_ttl(redis_url):
+    lim = _redis_limiter(redis_url, lease_ttl=0.1)
+    window = int(T0 // 60)
+    try:
+        assert (await lim.admit("idle", KeyLimits(rpm=5_000), 1, T0)).allowed
+        assert _counter(redis_url, "idle", "r", window) == 10  # one admitted, nine leased
+        for _ in range(100):  # the flusher gives the rest back once the lease expires
+            await asyncio.sleep(0.05)
+            if _counter(redis_url, "idle", "r", window) == 1:
+                break
+        assert _counter(redis_url, "idle", "r", window) == 1
+    finally:
+        await lim.close()
+
+
+@pytest.mark.redis
+async def test_lease_is_not_used_across_a_window_boundary(redis_url):
+    lim = _redis_limiter(redis_url)
+    window = int(T0 // 60)
+    limits = KeyLimits(rpm=5_000)
+    try:
+        assert (await lim.admit("edge", limits, 1, T0 + 59.9)).allowed
+        before = _evalsha_calls(redis_url)
+        assert (await lim.admit("edge", limits, 1, T0 + 60.1)).allowed
+        assert _evalsha_calls(redis_url) == before + 1  # the new minute books in Redis again
+        await lim.flush()
+        assert _counter(redis_url, "edge", "r", window) == 1  # the old lease's rest went back
+        assert _counter(redis_url, "edge", "r", window + 1) == 10
+    finally:
+        await lim.close()
 
 
 @pytest.mark.parametrize("fail_open", [True, False])
