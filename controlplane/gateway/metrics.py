@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 __all__ = ["GatewayMetrics"]
 
@@ -78,6 +81,17 @@ class GatewayMetrics:
             ["hook", "action"],
             registry=r,
         )
+
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
+        """``metric.labels(*labels)``, memoised: the hot path asks for the same few series per request,
+        and ``labels()`` validates and takes a lock on every call."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -38,7 +38,12 @@ def _limiter(settings: Settings) -> RateLimiter:
         )
         # The client owns the pool, so aclose() disconnects it (types-redis predates from_pool).
         client = Redis.from_pool(pool)  # type: ignore[attr-defined]
-        return RedisLimiter(client, prefix=settings.state_prefix, fail_open=settings.ratelimit_fail_open)
+        return RedisLimiter(
+            client,
+            prefix=settings.state_prefix,
+            fail_open=settings.ratelimit_fail_open,
+            lease_fraction=settings.ratelimit_lease_fraction,
+        )
     if url.startswith("redis+cluster://"):
         from redis.asyncio import RedisCluster
 
@@ -52,24 +57,29 @@ def _limiter(settings: Settings) -> RateLimiter:
             socket_timeout=0.5,
             socket_connect_timeout=0.5,
         )
-        return RedisLimiter(cluster, prefix=settings.state_prefix, fail_open=settings.ratelimit_fail_open)
+        return RedisLimiter(
+            cluster,
+            prefix=settings.state_prefix,
+            fail_open=settings.ratelimit_fail_open,
+            lease_fraction=settings.ratelimit_lease_fraction,
+        )
     # SQLite (embedded default): one gateway process, so an in-process limiter has the same semantics.
     return InProcessLimiter()
 
 
-def build_app(settings: Settings, config_path: Path | None = None) -> GatewayApp:
+def build_app(settings: Settings, config_path: Path | None = None, *, tune_gc: bool = False) -> GatewayApp:
     """The app for these settings; nothing connects until the ASGI lifespan starts it."""
     from controlplane.state import open_store
 
     config = load_gateway_config(config_path)
     store = open_store(settings.resolved_state_url, settings)
-    return GatewayApp(store=store, config=config, limiter=_limiter(settings))
+    return GatewayApp(store=store, config=config, limiter=_limiter(settings), tune_gc=tune_gc)
 
 
 def create_app() -> GatewayApp:
     """uvicorn factory (``--workers`` > 1 imports this in every worker)."""
     path = os.environ.get(_CONFIG_ENV)
-    return build_app(load_settings(), Path(path) if path else None)
+    return build_app(load_settings(), Path(path) if path else None, tune_gc=True)
 
 
 def serve(settings: Settings, *, host: str, port: int, workers: int, config_path: Path | None) -> None:
@@ -100,6 +110,9 @@ def serve(settings: Settings, *, host: str, port: int, workers: int, config_path
         lifespan="on",
         access_log=False,
         server_header=False,
+        # The client address is not used (no access log, keys not addresses), so X-Forwarded-* parsing
+        # would be per-request work for nothing.
+        proxy_headers=False,
         timeout_keep_alive=30,
         # Bounds memory under a connection flood: beyond this uvicorn answers 503 itself.
         limit_concurrency=8192,

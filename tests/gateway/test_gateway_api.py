@@ -178,3 +178,20 @@ def test_embeddings_route_to_an_embedding_replica(tmp_path, sim_server, gateway_
     r = httpx.post(f"{gw.url}/v1/embeddings", headers=_auth(key), json={"model": "emb", "input": 5})
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "input"
+
+
+def test_serving_process_freezes_its_startup_heap(tmp_path, gateway_factory):
+    # What `llmctl gateway` does (server.create_app): the start-up heap leaves the collector's reach.
+    import gc
+
+    store = make_store(tmp_path)
+    threshold = gc.get_threshold()
+    gc.unfreeze()
+    try:
+        gw = gateway_factory(store, tune_gc=True)
+        assert httpx.get(f"{gw.url}/health").status_code == 200
+        assert gc.get_freeze_count() > 10_000
+        assert gc.get_threshold()[0] > threshold[0]
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
