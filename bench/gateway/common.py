@@ -196,8 +196,17 @@ async def closed_loop(
     concurrency: int,
     duration: float,
     warmup: float = 1.0,
-) -> tuple[list[Sample], float]:
-    """``concurrency`` clients back to back for ``duration`` s (after ``warmup``); samples and wall time."""
+    stagger: float = 0.0,
+) -> tuple[list[Sample], float, int]:
+    """``concurrency`` clients back to back for ``duration`` s after ``warmup``.
+
+    Client ``i`` starts ``i / concurrency × stagger`` s late. Against a fixed-latency backend, clients that
+    all start at once stay in lockstep: every request arrives in a burst with all the others, and the
+    latency measured is that of the burst's last one. Staggered over one request's duration they arrive
+    spread out, as independent users do. ``warmup`` should exceed ``stagger``.
+
+    Returns the samples of requests sent in the window, its length, and the answers completed in it.
+    """
     connector = aiohttp.TCPConnector(limit=concurrency + 8, force_close=False)
     samples: list[Sample] = []
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
@@ -205,24 +214,53 @@ async def closed_loop(
         t_measure = start + warmup
         stop = t_measure + duration
 
-        async def worker() -> None:
+        done_in_window = 0
+
+        async def worker(i: int) -> None:
+            nonlocal done_in_window
+            await asyncio.sleep(i / concurrency * stagger)
             while time.perf_counter() < stop:
+                began = time.perf_counter()
                 s = await one_request(session, url, body, headers, stream)
-                if time.perf_counter() >= t_measure:
+                ended = time.perf_counter()
+                # Latencies: only requests sent after the warm-up (the first ones also pay for new
+                # connections and cold caches, and a long stream started then would end inside the window).
+                if began >= t_measure:
                     samples.append(s)
+                # Throughput: answers completed inside the window, whenever they were sent.
+                if s.ok and t_measure <= ended <= stop:
+                    done_in_window += 1
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t_measure
-    return samples, wall
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    return samples, duration, done_in_window
 
 
-def summarize(samples: list[Sample], wall: float) -> dict[str, Any]:
+def cpu_ticks() -> dict[str, tuple[int, int]]:
+    """Per core: (busy, total) jiffies from /proc/stat, for utilisation over an interval."""
+    out: dict[str, tuple[int, int]] = {}
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name != "cpu":
+                v = [int(x) for x in fields]
+                out[name.removeprefix("cpu")] = (sum(v) - v[3] - v[4], sum(v))  # minus idle and iowait
+    return out
+
+
+def core_busy(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> dict[str, float]:
+    """Busy fraction of each core between two ``cpu_ticks()`` readings."""
+    return {
+        c: (after[c][0] - before[c][0]) / max(1, after[c][1] - before[c][1]) for c in after if c in before
+    }
+
+
+def summarize(samples: list[Sample], wall: float, completed: int | None = None) -> dict[str, Any]:
     ok = [s for s in samples if s.ok]
     return {
         "requests": len(samples),
         "ok": len(ok),
         "shed_rate": (len(samples) - len(ok)) / len(samples) if samples else 0.0,
-        "throughput_rps": len(ok) / wall if wall else 0.0,
+        "throughput_rps": (len(ok) if completed is None else completed) / wall if wall else 0.0,
         "ttft_p50_ms": pct([s.ttft for s in ok], 50) * 1000,
         "ttft_p99_ms": pct([s.ttft for s in ok], 99) * 1000,
         "e2e_p50_ms": pct([s.e2e for s in ok], 50) * 1000,
