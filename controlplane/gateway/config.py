@@ -53,6 +53,10 @@ class LimitsConfig(_Model):
     max_bytes_per_token: int = Field(default=8, ge=1)
     """Without a tokenizer the prompt's tokens are bounded below by bytes ÷ this: a prompt is refused only
     when it cannot possibly fit, and the replica catches the rest."""
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    """Time allowed from a connection's opening (or a further request's first byte) to the end of the
+    request's headers: a client that trickles its headers, or connects and says nothing, gets 408 and is
+    disconnected (nginx's client_header_timeout)."""
     body_timeout_s: float = Field(default=30.0, gt=0)
     """Time allowed for a client to send its whole body (slow clients get 408)."""
     request_timeout_s: float = Field(default=600.0, gt=0)

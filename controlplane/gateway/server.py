@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
 from controlplane.errors import ConfigError
 from controlplane.gateway.app import GatewayApp
 from controlplane.gateway.config import load_gateway_config
+from controlplane.gateway.errors import error_body
 from controlplane.gateway.ratelimit import InProcessLimiter, RateLimiter, RedisLimiter
 from controlplane.settings import Settings, load_settings
 
@@ -76,10 +80,99 @@ def build_app(settings: Settings, config_path: Path | None = None, *, tune_gc: b
     return GatewayApp(store=store, config=config, limiter=_limiter(settings), tune_gc=tune_gc)
 
 
+_REQUEST_LINE_BYTES = 8192
+_LINGER_S = 5.0
+
+
+class GatewayHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a deadline on each request's head (request line and headers).
+
+    uvicorn bounds the idle time between requests but not the time a client takes to send its headers:
+    one that trickles a byte now and then, or connects and sends nothing, would hold its connection for
+    ever. The deadline runs from the connection's opening, and from each later request's first byte, to
+    the end of its headers; past it the client gets 408 and the connection is closed.
+    """
+
+    head_timeout_s: float = 10.0
+    """Set by :func:`create_app` from ``limits.header_timeout_s`` (one gateway per process)."""
+    head_max_bytes: int = 16384 + _REQUEST_LINE_BYTES
+    """Set by :func:`create_app`: ``limits.max_header_bytes`` plus room for the request line."""
+
+    _head_deadline: asyncio.TimerHandle | None = None
+    _head_bytes = 0
+    _lingering = False
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # refused: what the client still sends is read and dropped (see _refuse)
+        super().data_received(data)
+        if self._head_deadline is None or self.transport.is_closing():
+            return
+        # Still inside a request's head, so all of ``data`` was head. httptools keeps whatever it is
+        # sent; refuse while receiving rather than after the last header line.
+        self._head_bytes += len(data)
+        if self._head_bytes > self.head_max_bytes:
+            self._disarm_head_deadline()
+            self._refuse(431, f"request headers exceed {self.head_max_bytes} bytes", "headers_too_large")
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm_head_deadline()
+
+    def on_headers_complete(self) -> None:
+        self._disarm_head_deadline()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_deadline()
+        super().connection_lost(exc)
+
+    def _arm_head_deadline(self) -> None:
+        if self._head_deadline is None:
+            self._head_deadline = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _disarm_head_deadline(self) -> None:
+        self._head_bytes = 0
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_timed_out(self) -> None:
+        self._head_deadline = None
+        self._refuse(408, "request headers not received in time", "timeout")
+
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        """Answer in OpenAI's error shape and close: the request never reached the app."""
+        if self.transport.is_closing():
+            return
+        body = error_body(status, message, code=code)
+        reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (status, reason, len(body), body)
+        )
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        # A lingering close, as nginx does: closing with the client's bytes still unread would reset the
+        # connection, and the client could lose the answer. Send FIN after it, drop what still comes,
+        # and close when the client does or after a few seconds.
+        self.transport.write_eof()
+        self._lingering = True
+        self.loop.call_later(_LINGER_S, self.transport.close)
+
+
 def create_app() -> GatewayApp:
     """uvicorn factory (``--workers`` > 1 imports this in every worker)."""
     path = os.environ.get(_CONFIG_ENV)
-    return build_app(load_settings(), Path(path) if path else None, tune_gc=True)
+    app = build_app(load_settings(), Path(path) if path else None, tune_gc=True)
+    GatewayHttpProtocol.head_timeout_s = app.config.limits.header_timeout_s
+    GatewayHttpProtocol.head_max_bytes = app.config.limits.max_header_bytes + _REQUEST_LINE_BYTES
+    return app
 
 
 def serve(settings: Settings, *, host: str, port: int, workers: int, config_path: Path | None) -> None:
@@ -106,7 +199,7 @@ def serve(settings: Settings, *, host: str, port: int, workers: int, config_path
         port=port,
         workers=workers,
         loop="uvloop",
-        http="httptools",
+        http=GatewayHttpProtocol,
         lifespan="on",
         access_log=False,
         server_header=False,

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -103,14 +106,9 @@ def test_parse_duration():
         parse_duration("3 weeks")
 
 
-@pytest.mark.slow
-def test_llmctl_gateway_serves(tmp_path, capsys, sim_server):
-    sim = sim_server(served_model_name="m1")
-    from fixtures.gateway import add_key, add_replica
-
-    store = _store(tmp_path)
-    add_replica(store, sim.url, "m1", rid="m1-0")
-    key = add_key(store, "cli")
+@contextlib.contextmanager
+def _gateway_process(tmp_path: Path, *args: str) -> Iterator[int]:
+    """``llmctl gateway`` as users start it, in its own process; yields its port."""
     port = free_port()
     env = {
         "SARV_HOME": str(tmp_path),
@@ -119,13 +117,30 @@ def test_llmctl_gateway_serves(tmp_path, capsys, sim_server):
         "PATH": "/usr/bin:/bin",
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "controlplane.cli.main", "gateway", "--port", str(port)],
+        [sys.executable, "-m", "controlplane.cli.main", "gateway", "--port", str(port), *args],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
     try:
         wait_port(port, timeout=30)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
+@pytest.mark.slow
+def test_llmctl_gateway_serves(tmp_path, capsys, sim_server):
+    sim = sim_server(served_model_name="m1")
+    from fixtures.gateway import add_key, add_replica
+
+    store = _store(tmp_path)
+    add_replica(store, sim.url, "m1", rid="m1-0")
+    key = add_key(store, "cli")
+    with _gateway_process(tmp_path) as port:
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             headers={"Authorization": f"Bearer {key}"},
@@ -133,12 +148,55 @@ def test_llmctl_gateway_serves(tmp_path, capsys, sim_server):
             timeout=10,
         )
         assert r.status_code == 200, r.text
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
-        assert proc.stderr is not None
-        proc.stderr.close()
     # more than one worker needs Redis (limits are shared only there)
     code, _, err = run(capsys, "gateway", "--workers", "2", "--port", str(free_port()))
     assert code == 2
     assert "needs Redis" in err
+
+
+@pytest.mark.slow
+def test_clients_trickling_headers_get_408_and_others_are_served(tmp_path):
+    _store(tmp_path)
+    cfg = tmp_path / "gateway.yaml"
+    cfg.write_text("limits:\n  header_timeout_s: 1\n")
+    with _gateway_process(tmp_path, "--config", str(cfg)) as port:
+        silent = socket.create_connection(("127.0.0.1", port))
+        slow = socket.create_connection(("127.0.0.1", port))
+        try:
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            for _ in range(4):  # a header line now and then, never the end of the headers
+                time.sleep(0.3)
+                assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+                with contextlib.suppress(OSError):
+                    slow.sendall(b"X-Trickle: 1\r\n")
+            for sock in (slow, silent):
+                # waits 10 s at most, far beyond the 1 s deadline: a missing deadline fails here
+                answer = _read_until_closed(sock)
+                assert answer.startswith(b"HTTP/1.1 408"), answer
+                assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "timeout"
+        finally:
+            slow.close()
+            silent.close()
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    sock.settimeout(10)
+    answer = b""
+    while chunk := sock.recv(4096):
+        answer += chunk
+    return answer
+
+
+@pytest.mark.slow
+def test_endless_headers_are_cut_off_while_arriving(tmp_path):
+    # 16 KiB of headers (+ 8 KiB for the request line) is the limit; this client never stops sending.
+    _store(tmp_path)
+    with _gateway_process(tmp_path) as port, socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        with contextlib.suppress(OSError):  # the gateway may close while we still send
+            for i in range(100):
+                sock.sendall(b"X-Pad-%d: %s\r\n" % (i, b"a" * 1000))
+        answer = _read_until_closed(sock)
+        assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+        assert b"headers_too_large" in answer
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
