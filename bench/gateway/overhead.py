@@ -20,7 +20,9 @@ Profiles (the simulator's fixed latency):
   own queueing (see ``core_busy`` of the direct rows).
 
 Every row records how busy each core was: a ``client`` core near 1.0 means the harness, not the proxy,
-set the latency.
+set the latency. With ``--repeat N`` (h100-8b: 3) each cell runs N times, targets in a rotating order, and
+each row holds the medians (the single runs under ``runs``): at 200 streams one run's p50 moves by a few
+ms from run to run on a shared 2-core VM.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -58,13 +62,15 @@ _BASE = {"latency_mode": "fixed", "max_num_seqs": 4096, "kv_cache_tokens": 1 << 
 PROFILES: dict[str, dict[str, Any]] = {
     "h100-8b": {
         "sim": {**_BASE, "fixed_ttft_ms": 30, "fixed_itl_ms": 12, "fixed_output_tokens": 128},
-        "duration": 15.0,
+        "duration": 10.0,
         "warmup": 2.0,
+        "repeat": 3,
     },
     "stress": {
         "sim": {**_BASE, "fixed_ttft_ms": 20, "fixed_itl_ms": 5, "fixed_output_tokens": 16},
         "duration": 6.0,
         "warmup": 1.0,
+        "repeat": 1,
     },
 }
 BENCH_VENV = ROOT / ".venv-bench" / "bin"
@@ -221,74 +227,119 @@ def start_targets(procs: Any, tmp: Path, sim_url: str, peers: bool) -> dict[str,
     return targets
 
 
+def measure(name: str, target: str, t: dict[str, Any], cell: dict[str, Any], rep: int) -> dict[str, Any]:
+    """One closed loop against one target: its row (latencies, throughput, CPU, core utilisation)."""
+    headers = {"Content-Type": "application/json", **t["headers"]}
+    cpu0 = cpu_seconds(t["pid"]) if t["pid"] else 0.0
+    ticks = cpu_ticks()
+    t_run = time.perf_counter()
+    samples, wall, completed = asyncio.run(
+        closed_loop(
+            f"{t['url']}/v1/completions",
+            cell["body"],
+            headers,
+            stream=cell["stream"],
+            concurrency=cell["concurrency"],
+            duration=cell["duration"],
+            warmup=cell["warmup"],
+            stagger=cell["stagger"],
+        )
+    )
+    busy = core_busy(ticks, cpu_ticks())
+    cpu1 = cpu_seconds(t["pid"]) if t["pid"] else 0.0
+    row = {
+        "target": target,
+        "stream": cell["stream"],
+        "concurrency": cell["concurrency"],
+        "rep": rep,
+        **summarize(samples, wall, completed),
+        "core_busy": {"proxy": busy.get(core(1)), "client": busy.get(core(0))},
+    }
+    # the proxy's CPU rate over the whole run ÷ the request rate in the window
+    cpu_rate = (cpu1 - cpu0) / (time.perf_counter() - t_run)
+    rps = row["throughput_rps"]
+    row["cpu_s_per_1k"] = cpu_rate / rps * 1000 if t["pid"] and rps else None
+    print(
+        f"{name:8} {target:12} stream={cell['stream']!s:5} c={cell['concurrency']:<4} rep={rep} "
+        f"ok={row['ok']:<6} rps={rps:8.1f} ttft p50/p99={row['ttft_p50_ms']:7.2f}/"
+        f"{row['ttft_p99_ms']:7.2f} e2e p50/p99={row['e2e_p50_ms']:7.2f}/{row['e2e_p99_ms']:7.2f} "
+        f"shed={row['shed_rate']:.3f} busy proxy/client={busy.get(core(1), 0):.2f}/"
+        f"{busy.get(core(0), 0):.2f} cpu/1k={row['cpu_s_per_1k']}",
+        flush=True,
+    )
+    return row
+
+
+_ADDED = ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
+
+
+def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row per target and cell: the median of each number over the repetitions, and the runs."""
+    first = runs[0]
+    row: dict[str, Any] = {k: first[k] for k in ("target", "stream", "concurrency")}
+    for k, v in first.items():
+        if k in row or k == "rep":
+            continue
+        if isinstance(v, float | int) and not isinstance(v, bool):
+            vals = [r[k] for r in runs if r[k] is not None and not math.isnan(r[k])]
+            row[k] = statistics.median(vals) if vals else float("nan")
+        elif v is None:
+            vals = [r[k] for r in runs if r[k] is not None]
+            row[k] = statistics.median(vals) if vals else None
+    row["statuses"] = first["statuses"]
+    row["core_busy"] = {
+        c: statistics.median(r["core_busy"][c] or 0.0 for r in runs) for c in ("proxy", "client")
+    }
+    row["reps"] = len(runs)
+    row["runs"] = runs
+    return row
+
+
 def run_profile(name: str, args: argparse.Namespace) -> dict[str, Any]:
     prof = PROFILES[name]
     duration = args.duration or prof["duration"]
+    repeat = args.repeat or prof["repeat"]
     tokens = prof["sim"]["fixed_output_tokens"]
     # one request's duration: clients start spread over it (see closed_loop)
     stagger = (prof["sim"]["fixed_ttft_ms"] + (tokens - 1) * prof["sim"]["fixed_itl_ms"]) / 1000
-    rows: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="sarv-bench-") as td:
         tmp = Path(td)
         with processes(tmp / "logs") as procs:
             sim_url = sim(procs, "sim", MODEL, core(0), **prof["sim"])
             targets = start_targets(procs, tmp, sim_url, args.peers)
+            names = list(targets)
             for stream in (True, False):
                 body = json.dumps(
                     {"model": MODEL, "prompt": "Say something short.", "max_tokens": tokens, "stream": stream}
                 ).encode()
                 for conc in args.concurrency:
-                    for target, t in targets.items():
-                        headers = {"Content-Type": "application/json", **t["headers"]}
-                        cpu0 = cpu_seconds(t["pid"]) if t["pid"] else 0.0
-                        ticks = cpu_ticks()
-                        t_run = time.perf_counter()
-                        samples, wall, completed = asyncio.run(
-                            closed_loop(
-                                f"{t['url']}/v1/completions",
-                                body,
-                                headers,
-                                stream=stream,
-                                concurrency=conc,
-                                duration=duration,
-                                warmup=prof["warmup"],
-                                stagger=stagger,
-                            )
-                        )
-                        busy = core_busy(ticks, cpu_ticks())
-                        cpu1 = cpu_seconds(t["pid"]) if t["pid"] else 0.0
-                        row = {
-                            "target": target,
-                            "stream": stream,
-                            "concurrency": conc,
-                            **summarize(samples, wall, completed),
-                            "core_busy": {"proxy": busy.get(core(1)), "client": busy.get(core(0))},
-                        }
-                        # over the warm-up too: CPU per request is a rate, the extra requests cancel out
-                        # the proxy's CPU rate over the run ÷ the request rate in the window
-                        cpu_rate = (cpu1 - cpu0) / (time.perf_counter() - t_run)
-                        rps = row["throughput_rps"]
-                        row["cpu_s_per_1k"] = cpu_rate / rps * 1000 if t["pid"] and rps else None
-                        rows.append(row)
-                        print(
-                            f"{name:8} {target:12} stream={stream!s:5} c={conc:<4} ok={row['ok']:<6} "
-                            f"rps={row['throughput_rps']:8.1f} ttft p50/p99={row['ttft_p50_ms']:7.2f}/"
-                            f"{row['ttft_p99_ms']:7.2f} e2e p50/p99={row['e2e_p50_ms']:7.2f}/"
-                            f"{row['e2e_p99_ms']:7.2f} shed={row['shed_rate']:.3f} "
-                            f"busy proxy/client={busy.get(core(1), 0):.2f}/{busy.get(core(0), 0):.2f} "
-                            f"cpu/1k={row['cpu_s_per_1k']}",
-                            flush=True,
-                        )
-    for row in rows:
+                    cell = {
+                        "body": body,
+                        "stream": stream,
+                        "concurrency": conc,
+                        "duration": duration,
+                        "warmup": prof["warmup"],
+                        "stagger": stagger,
+                    }
+                    for rep in range(repeat):
+                        # a different order each time: no target always runs first, or after LiteLLM
+                        order = names[rep % len(names) :] + names[: rep % len(names)]
+                        for target in order:
+                            runs.append(measure(name, target, targets[target], cell, rep))
+    for run in runs:
         base = next(
             r
-            for r in rows
+            for r in runs
             if r["target"] == "direct"
-            and r["stream"] == row["stream"]
-            and r["concurrency"] == row["concurrency"]
+            and (r["stream"], r["concurrency"], r["rep"]) == (run["stream"], run["concurrency"], run["rep"])
         )
-        for m in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms"):
-            row[f"added_{m}"] = row[m] - base[m]
+        for m in _ADDED:
+            run[f"added_{m}"] = run[m] - base[m]
+    cells: dict[tuple[str, bool, int], list[dict[str, Any]]] = {}
+    for run in runs:
+        cells.setdefault((run["target"], run["stream"], run["concurrency"]), []).append(run)
+    rows = [median_row(group) for group in cells.values()]
     out: dict[str, Any] = {
         "profile": name,
         "setup": {
@@ -296,6 +347,7 @@ def run_profile(name: str, args: argparse.Namespace) -> dict[str, Any]:
             "duration_s": duration,
             "warmup_s": prof["warmup"],
             "stagger_s": stagger,
+            "repeat": repeat,
             "cores": {"proxy+redis": core(1), "sim+client": core(0)},
         },
         "rows": rows,
@@ -315,6 +367,9 @@ def main() -> None:
     ap.add_argument("--profile", nargs="+", choices=sorted(PROFILES), default=["h100-8b", "stress"])
     ap.add_argument("--duration", type=float, default=None, help="seconds per cell (default: per profile)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[50, 200])
+    ap.add_argument(
+        "--repeat", type=int, default=None, help="runs per cell, medians reported (default: per profile)"
+    )
     ap.add_argument("--peers", action="store_true", help="also LiteLLM and vllm-router (bench venv)")
     args = ap.parse_args()
     # The load generator shares core 0 with the simulator; the proxies (and Redis) have core 1.
