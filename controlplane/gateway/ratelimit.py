@@ -418,13 +418,11 @@ class RedisLimiter:
             lease = self._leases.get(key)
             if lease is None:
                 return
-            want = (
-                max(0, lease.size_r - lease.requests) if limits.rpm is not None else _UNBOUNDED,
-                max(0, lease.size_t - lease.tokens),
-            )
-            if limits.rpm is not None and want[0] == 0:
+            # Back up to the lease's size (already clamped by _lease_size, also without an rpm).
+            want = (max(0, lease.size_r - lease.requests), max(0, lease.size_t - lease.tokens))
+            if want[0] == 0:
                 return
-            res = await self._call(key, limits, now, (0, 0), (min(want[0], 1 << 31), want[1]))
+            res = await self._call(key, limits, now, (0, 0), want)
             if isinstance(res, tuple) and res[0] > 0:
                 at = (int(now // _WINDOW), int(now // _DAY))
                 self._add_lease(key, limits, res, at=at, size=(lease.size_r, lease.size_t))

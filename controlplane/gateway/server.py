@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from controlplane.errors import ConfigError
 from controlplane.gateway.app import GatewayApp
@@ -150,10 +150,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         body = error_body(status, message, code=code)
-        reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
         self.transport.write(
-            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n%s" % (status, reason, len(body), body)
+            STATUS_LINE[status]
+            + b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+            + body
         )
         if not self.transport.can_write_eof():
             self.transport.close()
