@@ -112,7 +112,7 @@ def sim(procs: Procs, name: str, model: str, cpu: str, **opts: Any) -> str:
     args = [
         PY,
         "-m",
-        "controlplane.engines.sim",
+        "controlplane.simulator",
         "--host",
         "127.0.0.1",
         "--port",

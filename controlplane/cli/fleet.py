@@ -139,7 +139,8 @@ def register(app: typer.Typer) -> None:
         ] = 10.0,
     ) -> None:
         """Show the fleet: nodes, GPUs, interconnect, topology and labels."""
-        from controlplane.fleet import FabricConnector, discover_fleet, load_fleet
+        from controlplane.fleet import discover_fleet, load_fleet
+        from controlplane.remote import FabricConnector
         from controlplane.settings import load_settings
 
         source = inventory if inventory is not None else load_settings().inventory

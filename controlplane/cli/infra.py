@@ -12,7 +12,7 @@ from controlplane.cli import ui
 from controlplane.errors import UserError
 
 if TYPE_CHECKING:
-    from controlplane.infra import ChangeSummary, RunResult, Terraform, TerraformEvent
+    from controlplane.terraform import ChangeSummary, RunResult, Terraform, TerraformEvent
 
 __all__ = ["register"]
 
@@ -51,7 +51,7 @@ def _terraform(
     timeout_s: float,
     on_event: Callable[[TerraformEvent], None] | None = None,
 ) -> Terraform:
-    from controlplane.infra import Terraform
+    from controlplane.terraform import Terraform
 
     return Terraform(workdir, binary=binary, timeout_s=timeout_s, on_event=on_event)
 
@@ -132,7 +132,7 @@ def register(app: typer.Typer) -> None:
         results = _run_steps(workdir, terraform, timeout, ["plan", "apply"], list(var_file or []))
         ui.out(f"Applied: {_summary_line(results[-1].summary)}.")
         if inventory is not None:
-            from controlplane.infra import write_inventory
+            from controlplane.terraform import write_inventory
 
             text = _terraform(workdir, terraform, timeout).inventory()
             ui.out(f"Inventory written to {write_inventory(text, inventory)}")
@@ -174,6 +174,6 @@ def register(app: typer.Typer) -> None:
         if output is None:
             ui.out(text.rstrip("\n"))
             return
-        from controlplane.infra import write_inventory
+        from controlplane.terraform import write_inventory
 
         ui.out(f"Inventory written to {write_inventory(text, output)}")

@@ -30,6 +30,7 @@ from controlplane.spec import (
 )
 from controlplane.state.base import StateStore
 from controlplane.weights import WeightsPolicy
+from controlplane.weights.tiny import TINY_MODEL_NAME
 
 __all__ = ["DeployResult", "Deployer", "ModelCatalog", "Planner", "default_engines"]
 
@@ -40,7 +41,6 @@ LauncherFactory = Callable[[Node], Launcher]
 GroupLauncherFactory = Callable[[list[Node]], Launcher]
 """Launcher for one replica whose pipeline stages span these nodes (pp rank order): Ray."""
 
-_TINY = "sarv-tiny"
 _READY_PATH = "/v1/models"
 
 
@@ -60,7 +60,7 @@ class DeployResult(BaseModel):
 
 
 def default_engines(settings: Settings) -> dict[EngineKind, Engine]:
-    from controlplane.engines.sim_engine import SimEngine
+    from controlplane.engines.sim import SimEngine
     from controlplane.engines.vllm import VllmEngine
     from controlplane.engines.vllm_cpu import VllmCpuEngine
 
@@ -180,14 +180,14 @@ class Deployer:
     def _model_source(self, spec: DeploymentSpec, model: ModelSpec) -> str:
         if spec.source:
             return spec.source
-        if model.name == _TINY:
+        if model.name == TINY_MODEL_NAME:
             # The tiny model is generated, never downloaded: deterministic, so every node gets the
             # same bytes (and the same manifest digest in the cache).
-            from controlplane.tinymodel import generate_tiny_model
+            from controlplane.weights.tiny import generate_tiny_model
 
-            src = self.settings.resolved_model_cache / "_generated" / _TINY
+            src = self.settings.resolved_model_cache / "_generated" / TINY_MODEL_NAME
             if not (src / "SHA256SUMS").is_file():
-                self._say("weights", f"weights: generating {_TINY}")
+                self._say("weights", f"weights: generating {TINY_MODEL_NAME}")
                 generate_tiny_model(src)
             return str(src)
         raise WeightsError(

@@ -45,8 +45,8 @@ def launcher_for(node: Node, home: Path, model_cache: Path, settings: Settings |
             f"node {node.name} ({node.address}) is a remote host and no SSH settings were given",
             hint="deploy with the local fleet (unset SARV_INVENTORY), or upgrade the caller",
         )
-    from controlplane.fleet.discovery import FabricConnector
     from controlplane.launchers.ssh import SshLauncher
+    from controlplane.remote import FabricConnector
 
     connector = FabricConnector(key_filename=settings.ssh_key_file, known_hosts=settings.ssh_known_hosts)
     return SshLauncher.connect(

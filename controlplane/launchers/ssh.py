@@ -22,7 +22,7 @@ from controlplane.weights import MANIFEST_NAME, WeightsPolicy, ensure_weights
 if TYPE_CHECKING:
     from fabric import Connection
 
-    from controlplane.fleet.discovery import FabricConnector
+    from controlplane.remote import FabricConnector
 
 __all__ = ["RemoteResult", "SshLauncher", "UnitState"]
 

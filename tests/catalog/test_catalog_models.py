@@ -168,7 +168,7 @@ def test_generated_tiny_model_matches_its_entry(tmp_path: Path, catalog: Catalog
     safetensors hold exactly the parameters the catalog counts."""
     from safetensors.numpy import load_file
 
-    from controlplane.tinymodel import generate_tiny_model
+    from controlplane.weights.tiny import generate_tiny_model
 
     d = generate_tiny_model(tmp_path / "sarv-tiny")
     from_dir = Catalog.load([d]).get("sarv-tiny")

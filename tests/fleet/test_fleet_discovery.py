@@ -12,16 +12,8 @@ import pytest
 from fixtures.common import free_port
 
 from controlplane.errors import DiscoveryError
-from controlplane.fleet import (
-    CommandResult,
-    FabricConnector,
-    HostSession,
-    LocalConnector,
-    declared_gpus,
-    discover_fleet,
-    load_fleet,
-    local_fleet,
-)
+from controlplane.fleet import declared_gpus, discover_fleet, load_fleet, local_fleet
+from controlplane.remote import CommandResult, FabricConnector, HostSession, LocalConnector
 from controlplane.spec import Fleet, Interconnect, Node
 
 SAMPLES = Path(__file__).parent / "samples"

@@ -124,7 +124,7 @@ def test_generated_inventory_has_the_example_layout(infra_copy: Path, tmp_path: 
     from ansible.inventory.manager import InventoryManager
     from ansible.parsing.dataloader import DataLoader
 
-    from controlplane.infra import Terraform, write_inventory
+    from controlplane.terraform import Terraform, write_inventory
 
     tf = Terraform(infra_copy / EXAMPLE)
     tf.init()
@@ -196,7 +196,7 @@ def test_invalid_variables_fail_with_one_line(
 
 
 def test_wrapper_refuses_bad_inputs(tmp_path: Path) -> None:
-    from controlplane.infra import Terraform
+    from controlplane.terraform import Terraform
 
     with pytest.raises(ProvisionError, match=r"contains no \*\.tf files"):
         Terraform(tmp_path).init()
@@ -209,7 +209,7 @@ def test_wrapper_refuses_bad_inputs(tmp_path: Path) -> None:
 
 def test_missing_provider_is_a_one_line_provision_error(infra_copy: Path, tmp_path: Path) -> None:
     """The OpenStack example against an empty provider mirror: init fails with what to do next."""
-    from controlplane.infra import Terraform
+    from controlplane.terraform import Terraform
 
     mirror = tmp_path / "mirror"
     mirror.mkdir()

@@ -32,7 +32,8 @@ _HARDENING = [
 
 
 def _discovered(hosts: list[TestHost], nodes: list[Node]) -> Fleet:
-    from controlplane.fleet.discovery import FabricConnector, discover_fleet
+    from controlplane.fleet import discover_fleet
+    from controlplane.remote import FabricConnector
 
     return discover_fleet(Fleet(nodes=nodes), connector=FabricConnector(key_filename=hosts[0].key_path))
 

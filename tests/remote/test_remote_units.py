@@ -31,7 +31,7 @@ def _spec(**kw: object) -> UnitSpec:
     base: dict[str, object] = {
         "name": "sarv-web-0.service",
         "description": "Sarv replica web-0",
-        "argv": ["/opt/sarv/venv/bin/python", "-m", "controlplane.engines.sim", "--port", "8000"],
+        "argv": ["/opt/sarv/venv/bin/python", "-m", "controlplane.simulator", "--port", "8000"],
     }
     return UnitSpec(**(base | kw))  # type: ignore[arg-type]
 

@@ -17,8 +17,8 @@ import httpx
 import pytest
 from fixtures.vllm import LlmctlEnv, group_members, kill_groups
 
-from controlplane.tinymodel import generate_tiny_model
 from controlplane.weights import read_manifest, sha256_file
+from controlplane.weights.tiny import generate_tiny_model
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 from pydantic import SecretStr
 
 from controlplane.engines.base import ReplicaContext, check_engine_args
-from controlplane.engines.sim_engine import SimEngine
+from controlplane.engines.sim import SimEngine
 from controlplane.engines.vllm import VllmEngine
 from controlplane.engines.vllm_cpu import VllmCpuEngine, omp_threads_bind
 from controlplane.errors import LaunchError, UserError
@@ -167,7 +167,7 @@ def test_sim_command_passes_simulator_options() -> None:
         engine_args={"slow_start_s": 2.5, "lora_modules": "a1,a2", "enable_prefix_caching": False},
     ).model_copy(update={"host": "127.0.0.1", "model_dir": None})
     launch = SimEngine().build(ctx)
-    assert launch.argv[1:3] == ["-m", "controlplane.engines.sim"]
+    assert launch.argv[1:3] == ["-m", "controlplane.simulator"]
     assert launch.argv[launch.argv.index("--served-model-name") + 1] == "llama"
     assert launch.argv[launch.argv.index("--slow-start-s") + 1] == "2.5"
     i = launch.argv.index("--lora-modules")

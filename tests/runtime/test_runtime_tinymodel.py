@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from controlplane.catalog import Catalog
-from controlplane.tinymodel import TINY_MODEL_NAME, generate_tiny_model
 from controlplane.weights import MANIFEST_NAME, verify_dir
+from controlplane.weights.tiny import TINY_MODEL_NAME, generate_tiny_model
 
 
 def test_generation_is_deterministic(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from fixtures.sim import SimFactory, SimProcess
 from fixtures.sim import sim_metrics as metrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.engines.sim import count_tokens
+from controlplane.simulator import count_tokens
 
 
 @pytest.fixture(scope="module")

@@ -88,7 +88,7 @@ def test_slow_start_answers_503_then_becomes_healthy(sim_server: SimFactory) -> 
 )
 def test_bad_command_line_exits_2_with_one_line(args: list[str], fragment: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "controlplane.engines.sim", *args],
+        [sys.executable, "-m", "controlplane.simulator", *args],
         capture_output=True,
         text=True,
         timeout=60,

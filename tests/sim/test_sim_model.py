@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.engines.sim import SimConfig, config_args, count_tokens, tokenize
-from controlplane.engines.sim.cli import parse_config
-from controlplane.engines.sim.engine import PrefixCache, SimEngine, block_hashes
-from controlplane.engines.sim.metrics import SimMetrics
-from controlplane.engines.sim.tokens import generate_pieces
 from controlplane.errors import ConfigError
+from controlplane.simulator import SimConfig, config_args, count_tokens, tokenize
+from controlplane.simulator.cli import parse_config
+from controlplane.simulator.engine import BatchEngine, PrefixCache, block_hashes
+from controlplane.simulator.metrics import SimMetrics
+from controlplane.simulator.tokens import generate_pieces
 
 
 def test_tokenizer_is_deterministic_and_documented() -> None:
@@ -54,7 +54,7 @@ def test_prefix_cache_refcounts_and_lru() -> None:
 
 def test_latency_model_prefill_and_load() -> None:
     cfg = SimConfig(ttft_ms=30, prefill_ms_per_token=0.25, itl_ms=12, max_num_seqs=5, load_factor=3.0)
-    engine = SimEngine(cfg, SimMetrics("m", cfg.max_model_len, [], 0))
+    engine = BatchEngine(cfg, SimMetrics("m", cfg.max_model_len, [], 0))
     slot = engine.prepare(list(range(400)), 10, 1, None, 0.0)
     engine._start(slot, 0.0)
     assert engine.ttft(slot) == pytest.approx(0.130)  # 30 ms + 400 × 0.25 ms, one running sequence

@@ -24,12 +24,12 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from pydantic_core import to_json
 
-from controlplane.engines.sim.config import LatencyMode, SimConfig, SimTask
-from controlplane.engines.sim.engine import ClientGone, SimEngine, Slot
-from controlplane.engines.sim.metrics import SimMetrics
-from controlplane.engines.sim.protocol import ChatRequest, CompletionRequest, EmbeddingRequest
-from controlplane.engines.sim.tokens import generate_pieces, render_chat, text_seed, tokenize
 from controlplane.errors import describe_validation_error
+from controlplane.simulator.config import LatencyMode, SimConfig, SimTask
+from controlplane.simulator.engine import BatchEngine, ClientGone, Slot
+from controlplane.simulator.metrics import SimMetrics
+from controlplane.simulator.protocol import ChatRequest, CompletionRequest, EmbeddingRequest
+from controlplane.simulator.tokens import generate_pieces, render_chat, text_seed, tokenize
 
 __all__ = ["SimApp", "create_app"]
 
@@ -108,7 +108,7 @@ class SimApp:
                 "enable_prefix_caching": str(config.enable_prefix_caching),
             },
         )
-        self.engine = SimEngine(config, self.metrics)
+        self.engine = BatchEngine(config, self.metrics)
         self._rng = random.Random(config.seed)  # noqa: S311 - reproducible failure draws, not security
         self._ready_at = time.monotonic() + config.slow_start_s
         self._finished = 0

@@ -1,4 +1,4 @@
-"""The ``sim`` engine: Sarv's vLLM-compatible simulator (``controlplane.engines.sim``) as a process."""
+"""The ``sim`` engine: Sarv's vLLM-compatible simulator (``controlplane.simulator``) as a process."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class SimEngine:
         argv = [
             ctx.python,
             "-m",
-            "controlplane.engines.sim",
+            "controlplane.simulator",
             "--host",
             ctx.host,
             "--port",

@@ -13,8 +13,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from controlplane.engines.sim.config import SimConfig
 from controlplane.errors import ConfigError, describe_validation_error
+from controlplane.simulator.config import SimConfig
 
 __all__ = ["build_parser", "config_args", "main", "parse_config"]
 
@@ -48,7 +48,7 @@ def _scalar_type(annotation: Any) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m controlplane.engines.sim",
+        prog="python -m controlplane.simulator",
         description="A vLLM-compatible simulated engine: OpenAI API, /health and vLLM's /metrics.",
     )
     for name, info in SimConfig.model_fields.items():
@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import uvicorn
 
-    from controlplane.engines.sim.app import create_app
+    from controlplane.simulator.app import create_app
 
     uvicorn.run(
         create_app(config),

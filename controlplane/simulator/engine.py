@@ -8,10 +8,10 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from controlplane.engines.sim.config import LatencyMode, SimConfig
-from controlplane.engines.sim.metrics import SimMetrics
+from controlplane.simulator.config import LatencyMode, SimConfig
+from controlplane.simulator.metrics import SimMetrics
 
-__all__ = ["ClientGone", "PrefixCache", "SimEngine", "Slot", "block_hashes"]
+__all__ = ["BatchEngine", "ClientGone", "PrefixCache", "Slot", "block_hashes"]
 
 
 class ClientGone(Exception):
@@ -127,7 +127,7 @@ class _Waiter:
     future: asyncio.Future[None]
 
 
-class SimEngine:
+class BatchEngine:
     """State shared by all requests of one replica; runs on a single event loop, so no locks."""
 
     def __init__(self, config: SimConfig, metrics: SimMetrics) -> None:
