@@ -158,6 +158,25 @@ def test_sarv_sysctls_are_applied() -> None:
     assert live == wanted
 
 
+def deploy_argv(model: str, name: str, weights: str) -> list[str]:
+    """The `llmctl` arguments the serving test deploys with (checked against the CLI off the GPU host)."""
+    return [
+        "deploy",
+        model,
+        "--name",
+        name,
+        "--engine",
+        "vllm",
+        "--source",
+        weights,
+        "--max-model-len",
+        "2048",
+        "--wait",
+        "--timeout",
+        "1200",
+    ]
+
+
 @pytest.mark.timeout(1800)
 def test_a_small_model_is_served_by_a_vllm_replica(tmp_path: Path) -> None:
     """`llmctl deploy` a catalog model on this node's GPU (vLLM container), complete a prompt, undeploy."""
@@ -173,22 +192,7 @@ def test_a_small_model_is_served_by_a_vllm_replica(tmp_path: Path) -> None:
             [llmctl, *args], capture_output=True, text=True, env=env, timeout=timeout, check=False
         )
 
-    deployed = sarv(
-        "deploy",
-        model,
-        "--name",
-        name,
-        "--engine",
-        "vllm",
-        "--weights",
-        weights,
-        "--max-model-len",
-        "2048",
-        "--wait",
-        "--timeout",
-        "1200",
-        timeout=1500,
-    )
+    deployed = sarv(*deploy_argv(model, name, weights), timeout=1500)
     try:
         assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
         status = json.loads(sarv("status", "--output", "json").stdout)
