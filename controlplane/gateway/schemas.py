@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = [
     "ChatCompletionRequest",
@@ -40,6 +40,15 @@ class _Generation(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
+
+    @field_validator("stream", "n", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: object, info: Any) -> object:
+        # OpenAI and vLLM read an explicit null as "not given"; the SDKs send it for unset options.
+        if value is None:
+            return cls.model_fields[info.field_name].default
+        return value
+
     max_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -65,8 +74,12 @@ class ContentPart(_Strict):
     text: str | None = None
 
 
+# The roles OpenAI's Chat Completions API accepts; any other is its 400, not the replica's guess.
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
 class ChatMessage(_Strict):
-    role: str = Field(min_length=1, max_length=64)
+    role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = Field(default=None, max_length=256)
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "ChatMessage",
@@ -37,6 +37,11 @@ class _Sampling(_Body):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     ignore_eos: bool = False
     user: str | None = None
+
+    @field_validator("n", "stream", mode="before")
+    @classmethod
+    def _null_means_unset(cls, value: object, info: Any) -> object:  # vLLM types both `X | None`
+        return cls.model_fields[info.field_name].default if value is None else value
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _Sampling:

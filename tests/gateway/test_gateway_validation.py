@@ -89,6 +89,8 @@ def test_malformed_bodies_are_400_naming_the_field(gw, body, code, param):
     [
         {"model": "m1", "messages": []},
         {"model": "m1", "messages": [{"content": "no role"}]},
+        {"model": "m1", "messages": [{"role": "wizard", "content": "x"}]},
+        {"model": "m1", "messages": [{"role": "", "content": "x"}]},
         {"model": "m1", "messages": "hello"},
         {"model": "m1", "messages": [{"role": "user", "content": 5}]},
         {"model": "m1", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 10**6},
@@ -98,6 +100,33 @@ def test_bad_chat_bodies_are_400(gw, body):
     r = _post(gw, "/v1/chat/completions", body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"]
+
+
+def test_an_unknown_role_is_400_naming_the_field(gw):
+    r = _post(gw, "/v1/chat/completions", {"model": "m1", "messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"].startswith("messages") and "role" in err["param"], err
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"model": "m1", "prompt": "x", "stream": None, "n": None}),
+        (
+            "/v1/chat/completions",
+            {"model": "m1", "messages": [{"role": "user", "content": "x"}], "stream": None},
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "m1", "messages": [{"role": "developer", "content": "x"}], "n": None},
+        ),
+    ],
+)
+def test_null_optional_fields_are_accepted_as_unset(gw, path, body):
+    r = _post(gw, path, body)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("application/json")  # null stream is not a stream
 
 
 def test_prompt_over_context_is_400_with_both_numbers(gw):
