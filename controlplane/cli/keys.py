@@ -37,7 +37,13 @@ def parse_duration(text: str) -> float:
     m = re.fullmatch(r"\s*(\d+)\s*([smhdw])\s*", text)
     if m is None:
         raise UserError(f"--expires-in {text!r} must be a number and a unit s|m|h|d|w (e.g. 30d)")
-    return float(int(m.group(1)) * _UNITS[m.group(2)])
+    seconds = float(int(m.group(1)) * _UNITS[m.group(2)])
+    if seconds <= 0:
+        # A key that is expired when it is made would be shown once and then refused: say so instead.
+        raise UserError(
+            f"--expires-in {text!r} is over before the key exists", hint="give a lifetime, e.g. 30d"
+        )
+    return seconds
 
 
 @contextmanager
@@ -145,12 +151,18 @@ def register(app: typer.Typer) -> None:
         ui.table(["name", "prefix", "models", "rpm", "tpm", "daily", "expires (UTC)", "state"], rows)
 
     @keys.command("revoke")
-    def revoke(name: Annotated[str, typer.Argument(help="Name of the key.")]) -> None:
+    def revoke(
+        name: Annotated[str, typer.Argument(help="Name of the key.")],
+        yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    ) -> None:
         """Revoke a key; gateways refuse it within their key-cache TTL (5 s by default)."""
         with _store() as store:
             record = store.get_api_key_by_name(name)
             if record is None:
                 raise NotFoundError(f"no key named {name!r}", hint="llmctl keys list")
+            if not ui.confirm(f"revoke key {name!r}? Its clients are refused from then on", assume_yes=yes):
+                ui.out("nothing changed")
+                raise typer.Exit(1)
             if not record.revoked:
                 store.put_api_key(record.model_copy(update={"revoked": True}))
         ui.out(f"revoked key {name!r}")

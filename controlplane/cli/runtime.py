@@ -323,8 +323,12 @@ def register(app: typer.Typer) -> None:
     def undeploy(
         name: Annotated[str, typer.Argument(help="Deployment name.")],
         inventory: InventoryOpt = None,
+        yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     ) -> None:
-        """Stop every replica of a deployment and remove it."""
+        """Stop every replica of a deployment and remove it (asks first on a terminal, unless --yes)."""
+        if not ui.confirm(f"undeploy {name!r} and stop all its replicas?", assume_yes=yes):
+            ui.out("nothing changed")
+            raise typer.Exit(1)
         with ui.progress() as bar, _deployer(inventory, progress=bar.update) as deployer:
             stopped = deployer.undeploy(name)
         ui.out(f"{name}: undeployed ({len(stopped)} replica{'s' if len(stopped) != 1 else ''} stopped)")

@@ -55,6 +55,15 @@ def error(text: str) -> None:
     _stderr().print(f"error: {text}", markup=False, style="red")
 
 
+def confirm(question: str, *, assume_yes: bool) -> bool:
+    """Ask ``question`` (default no) when stdin is a terminal; scripts and ``--yes`` are not asked."""
+    if assume_yes or not sys.stdin.isatty():
+        return True
+    from rich.prompt import Confirm  # noqa: TID251
+
+    return Confirm.ask(question, console=_stderr(), default=False)
+
+
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
 

@@ -97,6 +97,10 @@ def test_text_output_shows_the_key_once_and_expiry(capsys, tmp_path):
     code, _, err = run(capsys, "keys", "create", "bad", "--expires-in", "soon")
     assert code == 2
     assert "--expires-in" in err
+    code, out, err = run(capsys, "keys", "create", "gone", "--expires-in", "0d")
+    assert code == 2
+    assert "over before the key exists" in err and not out
+    assert all(k.name != "gone" for k in _store(tmp_path).list_api_keys())
 
 
 def test_parse_duration():
