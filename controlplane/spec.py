@@ -67,6 +67,9 @@ class GPU(_Model):
     pcie_switch: str | None = None
     """Opaque id shared by GPUs behind the same PCIe switch (``PIX``/``PXB`` in ``topo -m``)."""
     numa_node: int | None = None
+    compute_capability: str | None = Field(default=None, pattern=r"^\d{1,2}\.\d$")
+    """CUDA compute capability (``nvidia-smi --query-gpu=compute_cap``), e.g. ``8.0``; it picks the GPU's
+    row of the generation table. Unset for declared GPUs without ``sarv_gpu_compute_capability``."""
 
     @property
     def memory_free_mib(self) -> int:

@@ -27,6 +27,9 @@ def probe_gpus(
 ) -> list[GPU]:
     """The GPUs of one host, from ``nvidia-smi --query-gpu`` and ``nvidia-smi topo -m``."""
     query = session.run(query_argv(nvidia_smi), timeout=timeout)
+    if query.exit_code != 0 and "compute_cap" in query.stdout + query.stderr:
+        # Drivers before R510 do not know the field and refuse the whole query: ask without it.
+        query = session.run(query_argv(nvidia_smi, legacy=True), timeout=timeout)
     if query.exit_code == NOT_FOUND:
         raise DiscoveryError(
             f"host {host}: {nvidia_smi} not found",

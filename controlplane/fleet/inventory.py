@@ -31,6 +31,7 @@ _HOST_VARS = (
     "sarv_gpu_model",
     "sarv_gpu_count",
     "sarv_gpu_memory_mib",
+    "sarv_gpu_compute_capability",
     "sarv_gpu_interconnect",
     "sarv_gpus_per_pcie_switch",
     "sarv_numa_nodes",
@@ -46,6 +47,7 @@ _ALLOWED = {
     "sarv_gpu_model": "a product name as nvidia-smi prints it, e.g. A100-SXM4-80GB",
     "sarv_gpu_count": "a whole number from 0 to 64",
     "sarv_gpu_memory_mib": "a whole number of MiB above 0, e.g. 81920",
+    "sarv_gpu_compute_capability": "a CUDA compute capability MAJOR.MINOR, e.g. 8.6",
     "sarv_gpu_interconnect": "nvlink or pcie",
     "sarv_gpus_per_pcie_switch": "a whole number from 1 to 64",
     "sarv_numa_nodes": "a whole number from 1 to 64",
@@ -67,6 +69,7 @@ class _HostVars(BaseModel):
     sarv_gpu_model: str | None = Field(default=None, min_length=1)
     sarv_gpu_count: int | None = Field(default=None, ge=0, le=64)
     sarv_gpu_memory_mib: int | None = Field(default=None, gt=0)
+    sarv_gpu_compute_capability: str | None = Field(default=None, pattern=r"^\d{1,2}\.\d$")
     sarv_gpu_interconnect: Interconnect | None = None
     sarv_gpus_per_pcie_switch: int | None = Field(default=None, ge=1, le=64)
     sarv_numa_nodes: int = Field(default=1, ge=1, le=64)
@@ -81,6 +84,14 @@ class _HostVars(BaseModel):
     @classmethod
     def _lower(cls, v: object) -> object:
         return v.strip().lower() if isinstance(v, str) else v
+
+    @field_validator("sarv_gpu_compute_capability", mode="before")
+    @classmethod
+    def _capability(cls, v: object) -> object:
+        # On a host line Ansible reads 8.9 as a float (and 9 as an int); a capability is MAJOR.MINOR text.
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            return f"{float(v):.1f}"
+        return v
 
     @field_validator("sarv_labels", mode="before")
     @classmethod
@@ -137,6 +148,7 @@ def declared_gpus(
     interconnect: Interconnect,
     per_switch: int | None,
     numa_nodes: int,
+    compute_capability: str | None = None,
 ) -> list[GPU]:
     """GPUs of a node as the inventory declares them, with topology derived from the declared shape.
 
@@ -158,6 +170,7 @@ def declared_gpus(
                 else [],
                 pcie_switch=f"pcie{i // per_switch}" if per_switch else None,
                 numa_node=i * numa_nodes // count,
+                compute_capability=compute_capability,
             )
         )
     return gpus
@@ -207,6 +220,7 @@ def _node_from_vars(name: str, groups: list[str], raw: Mapping[str, Any]) -> Nod
             interconnect=interconnect,
             per_switch=hv.sarv_gpus_per_pcie_switch,
             numa_nodes=hv.sarv_numa_nodes,
+            compute_capability=hv.sarv_gpu_compute_capability,
         )
     try:
         return Node(

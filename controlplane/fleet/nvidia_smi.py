@@ -21,8 +21,10 @@ __all__ = [
     "topology_argv",
 ]
 
-QUERY_FIELDS = ("index", "uuid", "name", "memory.total", "memory.used", "pci.bus_id")
+QUERY_FIELDS = ("index", "uuid", "name", "memory.total", "memory.used", "pci.bus_id", "compute_cap")
 """Columns asked of ``nvidia-smi --query-gpu``, in the order the parser expects them."""
+LEGACY_QUERY_FIELDS = QUERY_FIELDS[:-1]
+"""The same without ``compute_cap``, which drivers before R510 reject as an invalid field."""
 
 _VENDOR_PREFIX = "NVIDIA "
 _NO_DEVICES = "No devices were found"
@@ -39,9 +41,10 @@ _SWITCH_CODES = {"PIX", "PXB"}
 _SAME_NUMA_CODES = {"PIX", "PXB", "PHB", "NODE"}
 
 
-def query_argv(nvidia_smi: str = "nvidia-smi") -> list[str]:
-    """The GPU inventory command, as an argv list."""
-    return [nvidia_smi, f"--query-gpu={','.join(QUERY_FIELDS)}", "--format=csv,noheader,nounits"]
+def query_argv(nvidia_smi: str = "nvidia-smi", *, legacy: bool = False) -> list[str]:
+    """The GPU inventory command, as an argv list (``legacy``: without ``compute_cap``, for old drivers)."""
+    fields = LEGACY_QUERY_FIELDS if legacy else QUERY_FIELDS
+    return [nvidia_smi, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"]
 
 
 def topology_argv(nvidia_smi: str = "nvidia-smi") -> list[str]:
@@ -68,11 +71,14 @@ def parse_gpu_query(text: str, *, host: str) -> list[GPU]:
     gpus: list[GPU] = []
     for line in lines:
         cells = [c.strip() for c in line.split(",")]
-        if len(cells) != len(QUERY_FIELDS):
+        if len(cells) not in (len(QUERY_FIELDS), len(LEGACY_QUERY_FIELDS)):
             raise _fail(
                 host, f"expected {len(QUERY_FIELDS)} comma-separated GPU fields, got {len(cells)}", line
             )
-        index, uuid, name, total, used, bus_id = cells
+        index, uuid, name, total, used, bus_id = cells[:6]
+        capability = cells[6] if len(cells) > len(LEGACY_QUERY_FIELDS) else ""
+        # "[N/A]" (or nothing) where the driver cannot say: the generation is then found by product name.
+        compute_capability = capability if re.fullmatch(r"\d{1,2}\.\d", capability) else None
         if not index.isdigit():
             raise _fail(host, f"GPU index {index!r} is not a number", line)
         if not total.isdigit():
@@ -91,6 +97,7 @@ def parse_gpu_query(text: str, *, host: str) -> list[GPU]:
                     memory_total_mib=int(total),
                     memory_used_mib=int(used),
                     pci_bus_id=bus_id,
+                    compute_capability=compute_capability,
                 )
             )
         except ValidationError as exc:

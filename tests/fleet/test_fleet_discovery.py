@@ -143,6 +143,33 @@ def test_no_devices_and_missing_nvidia_smi(tmp_path: Path) -> None:
         )
 
 
+def test_a_driver_without_compute_cap_is_asked_again_without_it(tmp_path: Path) -> None:
+    """Drivers before R510 reject the whole query over the unknown field; the six others still work."""
+    query, topo = sample_pair("p100-pcie-8gpu-legacy")
+    d = tmp_path / "old"
+    d.mkdir()
+    (d / "query.csv").write_text(query)
+    (d / "topo.txt").write_text(topo)
+    script = d / "nvidia-smi"
+    script.write_text(
+        textwrap.dedent(
+            f"""\
+            #!/bin/sh
+            case "$1" in
+              topo) cat '{d}/topo.txt' ;;
+              *compute_cap*) echo 'Field "compute_cap" is not a valid field to query.' ; exit 2 ;;
+              --query-gpu=*) cat '{d}/query.csv' ;;
+            esac
+            """
+        )
+    )
+    script.chmod(0o755)
+    (node,) = discover_fleet(
+        Fleet(nodes=[declared_node("old")]), connector=PerNodeScripts({"old": script})
+    ).nodes
+    assert len(node.gpus) == 8 and {g.compute_capability for g in node.gpus} == {None}
+
+
 def test_hung_nvidia_smi_is_bounded(tmp_path: Path) -> None:
     script = tmp_path / "nvidia-smi"
     script.write_text("#!/bin/sh\nexec sleep 30\n")

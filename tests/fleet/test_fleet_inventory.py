@@ -173,6 +173,7 @@ def test_fleet_file_errors_are_one_line(tmp_path: Path) -> None:
         ("sarv_numa_nodes=0", "sarv_numa_nodes=0", "from 1 to 64"),
         ("sarv_labels=tier", "sarv_labels='tier'", "key=value"),
         ("ansible_port=70000", "ansible_port=70000", "from 1 to 65535"),
+        ("sarv_gpu_compute_capability=sm86", "sarv_gpu_compute_capability='sm86'", "MAJOR.MINOR, e.g. 8.6"),
     ],
 )
 def test_bad_group_var_names_host_variable_and_allowed_values(
@@ -208,6 +209,16 @@ def test_host_line_values_are_typed_too(tmp_path: Path) -> None:
     )
     with pytest.raises(InventoryError, match="host g2: sarv_gpu_count='eight' is invalid"):
         load_fleet(inv)
+
+
+def test_declared_compute_capability_reaches_every_gpu(tmp_path: Path) -> None:
+    inv = write(
+        tmp_path,
+        "hosts",
+        "g1 sarv_gpu_count=2 sarv_gpu_model=L4 sarv_gpu_memory_mib=23034 sarv_gpu_compute_capability=8.9\n",
+    )
+    (node,) = load_fleet(inv).nodes
+    assert [g.compute_capability for g in node.gpus] == ["8.9", "8.9"]
 
 
 def test_count_without_model_says_what_is_missing(tmp_path: Path) -> None:

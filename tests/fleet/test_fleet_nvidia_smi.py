@@ -162,3 +162,17 @@ def test_matrix_and_gpu_list_must_agree() -> None:
         gpus_from_nvidia_smi(
             sample("a100-pcie-40gb-4gpu.query.csv"), sample("rtx3080-2gpu.topo.txt"), host="h"
         )
+
+
+def test_compute_capability_is_read_when_the_driver_reports_it() -> None:
+    text = (
+        "0, GPU-5b3c, NVIDIA H200, 143771, 0, 00000000:19:00.0, 9.0\n"
+        "1, GPU-7a1d, NVIDIA H200, 143771, 0, 00000000:3B:00.0, [N/A]\n"
+    )
+    got = parse_gpu_query(text, host="gpu-x")
+    assert [g.compute_capability for g in got] == ["9.0", None]
+    assert [g.model for g in got] == ["H200", "H200"]
+
+
+def test_legacy_six_field_rows_still_parse_without_a_capability() -> None:
+    assert {g.compute_capability for g in gpus("a100-sxm4-80gb-8gpu")} == {None}
