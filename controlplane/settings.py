@@ -44,8 +44,8 @@ class Settings(BaseSettings):
     home: Path = Field(default_factory=_default_home)
     """Local data: SQLite state, replica logs, model cache for the embedded default."""
     state_url: str = ""
-    """``sqlite:///PATH`` (default: ``<home>/state.db``), ``redis://…``, ``rediss://…`` or
-    ``redis+cluster://host:port,…``."""
+    """``sqlite:///PATH`` (default: ``<home>/state.db``), ``redis://…``, ``rediss://…``,
+    ``redis+cluster://host:port,…`` or ``rediss+cluster://…`` (docs/state.md)."""
     state_prefix: str = "sarv:"
     """Key prefix in Redis, so several Sarv installs can share one Redis."""
     redis_username: str | None = None

@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from controlplane.errors import ConfigError, StateError
+from controlplane.state.clients import redis_endpoint, sync_client
 from controlplane.state.url import RedisTarget, parse_state_url
 
 if TYPE_CHECKING:
     from controlplane.settings import Settings
 
-__all__ = ["FileLease", "Lease", "RedisLease", "holder_id", "open_lease", "redis_client"]
+__all__ = ["FileLease", "Lease", "RedisLease", "holder_id", "open_lease"]
 
 # KEYS[1] lease; ARGV[1] holder, ARGV[2] ttl ms. Renew when we hold it, take it when nobody does.
 # One script, so that "is it mine?" and "extend it" cannot be split by another controller's SET.
@@ -189,37 +190,6 @@ class FileLease:
             os.close(fd)
 
 
-def redis_client(target: RedisTarget, settings: Settings | None = None) -> Any:
-    """A redis-py client (standalone or Cluster) for ``target``, with credentials and TLS from settings."""
-    import redis
-    from redis.cluster import ClusterNode, RedisCluster
-
-    options: dict[str, Any] = {
-        "username": target.username or (settings.redis_username if settings else None),
-        "password": target.password
-        if target.password is not None
-        else (settings.redis_password if settings else None),
-        "socket_timeout": 5.0,
-        "socket_connect_timeout": 5.0,
-        "decode_responses": True,
-    }
-    if target.tls:
-        options["ssl"] = True
-        options["ssl_cert_reqs"] = "required"
-        if settings is not None:
-            for option, path in (
-                ("ssl_ca_certs", settings.redis_tls_ca),
-                ("ssl_certfile", settings.redis_tls_cert),
-                ("ssl_keyfile", settings.redis_tls_key),
-            ):
-                if path is not None:
-                    options[option] = str(path)
-    if target.cluster:
-        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes], **options)
-    host, port = target.nodes[0]
-    return redis.Redis(host=host, port=port, db=target.db, **options)
-
-
 def open_lease(
     state_url: str, settings: Settings | None = None, *, ttl_s: float, holder: str | None = None
 ) -> tuple[Lease, Callable[[], None]]:
@@ -235,7 +205,7 @@ def open_lease(
     prefix = settings.state_prefix if settings else "sarv:"
     if ttl_s <= 0:
         raise ConfigError(f"lease TTL must be positive, got {ttl_s}")
-    # Constructing the client and registering scripts touch no network; the first acquire does.
-    client = redis_client(target, settings)
+    # A standalone client connects on the first acquire; a Cluster client reads the slot map here.
+    client = sync_client(redis_endpoint(state_url, settings))
     redis_lease = RedisLease(client, "{" + prefix + "}controller-lease", ttl_s=ttl_s, holder=holder)
     return redis_lease, client.close

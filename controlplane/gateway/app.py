@@ -195,6 +195,7 @@ class GatewayApp:
         self._timeout = aiohttp.ClientTimeout(total=lim.request_timeout_s, sock_connect=lim.connect_timeout_s)
         self._openapi = b""
         self._started = False
+        self._store_warned_at = -1e18
 
     # --- lifecycle
 
@@ -348,8 +349,12 @@ class GatewayApp:
         try:
             record = await self.keys.get(hash_key(key))
         except StateError as exc:
+            # The error names the store (redacted): that is for the log; the client learns only the outage.
+            if self._mono() - self._store_warned_at >= 10.0:  # one line per 10 s, not one per request
+                self._store_warned_at = self._mono()
+                logger.warning("cannot check API keys: %s", exc)
             raise ApiError(
-                503, f"cannot check the API key: {exc.message}", code="state_unavailable"
+                503, "cannot check the API key: the key store is unavailable", code="state_unavailable"
             ) from None
         now = self._clock()
         if record is None or record.revoked or (record.expires_at is not None and record.expires_at <= now):

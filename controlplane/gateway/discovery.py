@@ -68,6 +68,7 @@ class Discovery:
         self._now = monotonic
         self._revision: int | None = None
         self.store_ok = False
+        self._tried = False
         self._tasks: list[asyncio.Task[None]] = []
 
     async def refresh(self) -> None:
@@ -81,12 +82,16 @@ class Discovery:
             self.store_ok = True
         except (StateError, OSError) as exc:
             # Keep routing to the last known replicas: a store outage must not take the API down.
-            if self.store_ok:
+            if not self._tried:
+                logger.warning("state store unreachable at start-up (%s); no replicas until it answers", exc)
+            elif self.store_ok:
                 logger.warning(
                     "state store unreachable (%s); keeping %d known replicas", exc, len(self._router.replicas)
                 )
             self.store_ok = False
             return
+        finally:
+            self._tried = True
         ready = [r for r in records if r.state is ReplicaState.READY and r.endpoint]
         new = self._router.set_replicas(ready)
         self._revision = rev

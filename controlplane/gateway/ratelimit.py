@@ -7,7 +7,10 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import redis.asyncio
 
 # The window is the "sliding window counter" of two fixed one-minute buckets: the estimate is
 # ``previous × (1 − elapsed/60) + current``. It needs two integers per key and limit (no per-request
@@ -230,15 +233,15 @@ class RedisLimiter:
 
     def __init__(
         self,
-        client: Any,
+        client: redis.asyncio.Redis | redis.asyncio.RedisCluster,
         *,
         prefix: str = "sarv:",
         fail_open: bool = True,
         lease_fraction: float = 0.002,
         lease_ttl: float = 1.0,
     ) -> None:
-        """``client``: a ``redis.asyncio.Redis`` or ``RedisCluster`` (typed Any: the types-redis stubs lag
-        redis-py 5+, which added ``aclose`` and cluster scripting). ``lease_fraction`` 0 turns leases off."""
+        """``client``: from :func:`controlplane.state.clients.async_client` (a ``redis.asyncio.Redis`` or
+        ``RedisCluster``). ``lease_fraction`` 0 turns leases off."""
         self._client = client
         self._prefix = prefix
         self._fail_open = fail_open

@@ -6,7 +6,6 @@ import asyncio
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
@@ -16,6 +15,7 @@ from controlplane.gateway.config import load_gateway_config
 from controlplane.gateway.errors import error_body
 from controlplane.gateway.ratelimit import InProcessLimiter, RateLimiter, RedisLimiter
 from controlplane.settings import Settings, load_settings
+from controlplane.state.clients import async_client, is_redis_url, redis_endpoint
 
 __all__ = ["build_app", "create_app", "serve"]
 
@@ -27,48 +27,18 @@ _CONFIG_ENV = "SARV_GATEWAY_CONFIG"
 
 def _limiter(settings: Settings) -> RateLimiter:
     url = settings.resolved_state_url
-    if url.startswith(("redis://", "rediss://")):
-        from redis.asyncio import BlockingConnectionPool, Redis
-
-        # A bounded pool that waits for a free connection: a burst must not open thousands of sockets.
-        pool: BlockingConnectionPool[Any] = BlockingConnectionPool.from_url(
-            url,
-            max_connections=64,
-            timeout=1.0,
-            username=settings.redis_username,
-            password=settings.redis_password,
-            socket_timeout=0.5,
-            socket_connect_timeout=0.5,
-        )
-        # The client owns the pool, so aclose() disconnects it (types-redis predates from_pool).
-        client = Redis.from_pool(pool)  # type: ignore[attr-defined]
-        return RedisLimiter(
-            client,
-            prefix=settings.state_prefix,
-            fail_open=settings.ratelimit_fail_open,
-            lease_fraction=settings.ratelimit_lease_fraction,
-        )
-    if url.startswith("redis+cluster://"):
-        from redis.asyncio import RedisCluster
-
-        first = url.removeprefix("redis+cluster://").split(",")[0]
-        host, _, port = first.rpartition(":")
-        cluster: RedisCluster[bytes] = RedisCluster(
-            host=host,
-            port=int(port),
-            username=settings.redis_username,
-            password=settings.redis_password,
-            socket_timeout=0.5,
-            socket_connect_timeout=0.5,
-        )
-        return RedisLimiter(
-            cluster,
-            prefix=settings.state_prefix,
-            fail_open=settings.ratelimit_fail_open,
-            lease_fraction=settings.ratelimit_lease_fraction,
-        )
-    # SQLite (embedded default): one gateway process, so an in-process limiter has the same semantics.
-    return InProcessLimiter()
+    if not is_redis_url(url):
+        # SQLite (embedded default): one gateway process, so an in-process limiter has the same semantics.
+        return InProcessLimiter()
+    client = async_client(
+        redis_endpoint(url, settings), timeout_s=0.5, max_connections=64, pool_timeout_s=1.0
+    )
+    return RedisLimiter(
+        client,
+        prefix=settings.state_prefix,
+        fail_open=settings.ratelimit_fail_open,
+        lease_fraction=settings.ratelimit_lease_fraction,
+    )
 
 
 def build_app(settings: Settings, config_path: Path | None = None, *, tune_gc: bool = False) -> GatewayApp:
@@ -179,9 +149,7 @@ def serve(settings: Settings, *, host: str, port: int, workers: int, config_path
     """Run uvicorn (uvloop + httptools, no access log) until interrupted."""
     import uvicorn
 
-    if workers > 1 and not settings.resolved_state_url.startswith(
-        ("redis://", "rediss://", "redis+cluster://")
-    ):
+    if workers > 1 and not is_redis_url(settings.resolved_state_url):
         raise ConfigError(
             f"--workers {workers} needs Redis state (rate limits are shared only through Redis)",
             hint="set SARV_STATE_URL=redis://… or run one worker",

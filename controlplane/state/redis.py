@@ -16,11 +16,9 @@ from pydantic import BaseModel, ValidationError
 from controlplane.errors import ConfigError, StateError
 from controlplane.spec import DeploymentRecord, ReplicaRecord
 from controlplane.state.base import ApiKeyRecord
-from controlplane.state.url import RedisTarget
+from controlplane.state.clients import RedisEndpoint, redis_error, sync_client
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from redis.commands.core import Script
 
 __all__ = ["RedisStore"]
@@ -67,30 +65,13 @@ class RedisStore:
     failure surfaces as :class:`StateError` naming the URL without its password.
     """
 
-    def __init__(
-        self,
-        target: RedisTarget,
-        *,
-        shown_url: str,
-        prefix: str = "sarv:",
-        tls_ca: Path | None = None,
-        tls_cert: Path | None = None,
-        tls_key: Path | None = None,
-    ) -> None:
+    def __init__(self, endpoint: RedisEndpoint, *, prefix: str = "sarv:") -> None:
         if "{" in prefix or "}" in prefix:
             raise ConfigError(
                 f"state_prefix {prefix!r} must not contain braces (they form the Cluster hash tag)"
             )
-        for name, path in (
-            ("redis_tls_ca", tls_ca),
-            ("redis_tls_cert", tls_cert),
-            ("redis_tls_key", tls_key),
-        ):
-            if path is not None and not path.is_file():
-                raise ConfigError(f"{name} {path} does not exist or is not a file")
-        self._target = target
-        self._shown = shown_url
-        self._tls = (tls_ca, tls_cert, tls_key)
+        self._endpoint = endpoint
+        self._shown = endpoint.shown
         tag = "{" + prefix + "}"
         self._deployments = tag + "deployments"
         self._replicas = tag + "replicas"
@@ -103,35 +84,13 @@ class RedisStore:
 
     # --- plumbing
 
-    def _connect(self) -> Any:
-        import redis
-        from redis.cluster import ClusterNode, RedisCluster
-
-        t = self._target
-        ca, cert, key = self._tls
-        options: dict[str, Any] = {
-            "username": t.username,
-            "password": t.password,
-            "socket_timeout": _TIMEOUT_S,
-            "socket_connect_timeout": _TIMEOUT_S,
-            "decode_responses": True,
-        }
-        if t.tls:
-            options.update(ssl=True, ssl_ca_certs=ca and str(ca), ssl_certfile=cert and str(cert))
-            options.update(ssl_keyfile=key and str(key), ssl_cert_reqs="required")
-        if t.cluster:
-            nodes = [ClusterNode(host, port) for host, port in t.nodes]
-            return RedisCluster(startup_nodes=nodes, **options)
-        host, port = t.nodes[0]
-        return redis.Redis(host=host, port=port, db=t.db, **options)
-
     def _call(self, fn: Callable[[Any], _T]) -> _T:
         from redis.exceptions import RedisClusterException, RedisError
 
         try:
             with self._lock:
                 if self._client is None:
-                    self._client = self._connect()
+                    self._client = sync_client(self._endpoint, timeout_s=_TIMEOUT_S)
                     self._scripts = {
                         name: self._client.register_script(src)
                         for name, src in (("put", _PUT), ("delete", _DELETE), ("put_key", _PUT_KEY))
@@ -139,12 +98,7 @@ class RedisStore:
                 client = self._client
             return fn(client)
         except (RedisError, RedisClusterException, OSError) as exc:
-            raise StateError(f"state store {self._shown}: {self._scrub(exc)}", hint=_hint(exc)) from None
-
-    def _scrub(self, exc: BaseException) -> str:
-        text = str(exc) or type(exc).__name__
-        secret = self._target.password
-        return text.replace(secret, "***") if secret else text
+            raise redis_error(self._endpoint, exc) from None
 
     def _script(self, name: str, keys: list[str], args: list[str]) -> Any:
         return self._call(lambda _client: self._scripts[name](keys=keys, args=args))
@@ -230,12 +184,3 @@ class RedisStore:
             client, self._client = self._client, None
         if client is not None:
             client.close()
-
-
-def _hint(exc: BaseException) -> str | None:
-    name = type(exc).__name__
-    if "Authentication" in name or "NOPERM" in str(exc) or "WRONGPASS" in str(exc):
-        return "check redis_username / redis_password (or the URL's user:password) and the ACL"
-    if "Connection" in name or "Timeout" in name or isinstance(exc, OSError):
-        return "is the server running and reachable from this host?"
-    return None

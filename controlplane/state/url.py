@@ -1,4 +1,4 @@
-"""State URLs (``sqlite:///``, ``redis://``, ``rediss://``, ``redis+cluster://``) split into checked parts."""
+"""State URLs (``sqlite:///``, ``redis[s]://``, ``redis[s]+cluster://``) split into checked parts."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from controlplane.errors import ConfigError
 __all__ = ["RedisTarget", "SqliteTarget", "parse_state_url", "redact_url"]
 
 _SCHEMES = (
-    "use sqlite:///PATH, redis://HOST:PORT/DB, rediss://HOST:PORT/DB or redis+cluster://HOST:PORT,HOST:PORT"
+    "use sqlite:///PATH, redis://HOST:PORT/DB, rediss://HOST:PORT/DB, redis+cluster://HOST:PORT,HOST:PORT "
+    "or rediss+cluster://HOST:PORT,HOST:PORT"
 )
 
 

@@ -7,11 +7,10 @@ import stat
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fixtures.common import free_port, need_binary, wait_port
+from fixtures.common import free_port, need_binary
 from fixtures.redis import RedisServer
 from state.records import ACL_PASSWORD, ACL_USER, api_key, deployment
 
@@ -123,40 +122,6 @@ def test_database_number_and_prefix_isolate(redis_server: RedisServer, redis_url
     assert (db0.revision(), db1.revision(), other.revision()) == (1, 0, 0)
     for store in (db0, db1, other):
         store.close()
-
-
-@pytest.fixture(scope="module")
-def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path]]:
-    """A redis-server answering TLS only, with a certificate from a throwaway CA; yields (port, CA file)."""
-    openssl = need_binary("openssl")
-    redis_server = need_binary("redis-server")
-    d = tmp_path_factory.mktemp("redis-tls")
-
-    def run(*args: str) -> None:
-        subprocess.run([openssl, *args], cwd=d, check=True, capture_output=True, timeout=60)
-
-    run("req", "-x509", "-new", "-nodes", "-newkey", "rsa:2048", "-keyout", "ca.key", "-out", "ca.crt",
-        "-days", "1", "-subj", "/CN=sarv-test-ca")  # fmt: skip
-    run("req", "-new", "-nodes", "-newkey", "rsa:2048", "-keyout", "server.key", "-out", "server.csr",
-        "-subj", "/CN=127.0.0.1")  # fmt: skip
-    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-        "-out", "server.crt", "-days", "1", "-extfile", "san.ext")  # fmt: skip
-    port = free_port()
-    proc = subprocess.Popen(
-        [redis_server, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--dir", str(d),
-         "--save", "", "--appendonly", "no", "--tls-cert-file", str(d / "server.crt"),
-         "--tls-key-file", str(d / "server.key"), "--tls-ca-cert-file", str(d / "ca.crt"),
-         "--tls-auth-clients", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        wait_port(port)
-        yield port, d / "ca.crt"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 @pytest.mark.redis
