@@ -1,4 +1,4 @@
-"""The OpenAI-compatible gateway: auth, limits, validation, guardrails, routing, streaming proxy, metrics."""
+"""The OpenAI-compatible gateway, by the request's stages: admission, requests, guardrails, upstream."""
 
 from controlplane.gateway.app import GatewayApp
 from controlplane.gateway.config import GatewayConfig, RoutingPolicy, load_gateway_config

@@ -7,8 +7,12 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from pydantic import BaseModel
+
 from controlplane.gateway.config import GuardrailConfig
 from controlplane.gateway.errors import ApiError
+from controlplane.gateway.metrics import GatewayMetrics
+from controlplane.gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 __all__ = [
     "PII_PATTERNS",
@@ -195,7 +199,10 @@ class ModerationHook:
 class Guardrails:
     """The configured hooks of one gateway; ``active`` is False when everything is off (the default)."""
 
-    def __init__(self, config: GuardrailConfig, ask: Ask) -> None:
+    def __init__(self, config: GuardrailConfig, ask: Ask, *, metrics: GatewayMetrics | None = None) -> None:
+        """``ask`` is the moderation hook's channel to a served model; ``metrics`` counts refusals and
+        redactions."""
+        self._metrics = metrics
         self.pre: list[PreRequestHook] = []
         if config.deny_patterns:
             self.pre.append(DenyListHook(config.deny_patterns))
@@ -221,8 +228,28 @@ class Guardrails:
     def active(self) -> bool:
         return bool(self.pre) or self.input_filter is not None or self.output_filter is not None
 
-    def redact_input(self, body: dict[str, Any]) -> bool:
-        """Redact PII in a parsed request in place; True when anything changed."""
+    async def screen_input(self, model: str, req: BaseModel, texts: list[str], body: bytes) -> bytes:
+        """Run the pre-request hooks on the prompt's ``texts``, then redact PII in the validated ``req``.
+
+        Returns the body to forward: the client's own bytes, or ``req`` re-serialised when something was
+        redacted (the body is parsed once, by the request stage, either way)."""
+        m = self._metrics
+        for hook in self.pre:
+            try:
+                await hook(model, texts)
+            except ApiError as exc:
+                if m is not None:
+                    m.guardrail_actions.labels(hook.name, "refused").inc()
+                raise exc from None
+        if self.input_filter is not None and self.redact_request(req):
+            if m is not None:
+                m.guardrail_actions.labels("pii_input", "redacted").inc()
+            # Only the fields the client sent (its extra fields included), as it sent them but redacted.
+            return req.model_dump_json(exclude_unset=True).encode()
+        return body
+
+    def redact_request(self, req: BaseModel) -> bool:
+        """Redact PII in a validated request's prompt or messages in place; True when anything changed."""
         f = self.input_filter
         if f is None:
             return False
@@ -234,17 +261,19 @@ class Guardrails:
             changed = changed or out != s
             return out
 
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            body["prompt"] = fix(prompt)
-        elif isinstance(prompt, list):
-            body["prompt"] = [fix(p) if isinstance(p, str) else p for p in prompt]
-        for msg in body.get("messages") or []:
-            content = msg.get("content") if isinstance(msg, dict) else None
-            if isinstance(content, str):
-                msg["content"] = fix(content)
-            elif isinstance(content, list):
-                for part in content:
-                    if isinstance(part, dict) and isinstance(part.get("text"), str):
-                        part["text"] = fix(part["text"])
+        if isinstance(req, CompletionRequest):
+            prompt = req.prompt
+            if isinstance(prompt, str):
+                req.prompt = fix(prompt)
+            elif prompt and isinstance(prompt[0], str):
+                req.prompt = [fix(p) for p in prompt]
+        elif isinstance(req, ChatCompletionRequest):
+            for msg in req.messages:
+                content = msg.content
+                if isinstance(content, str):
+                    msg.content = fix(content)
+                elif content is not None:
+                    for part in content:
+                        if part.text is not None:
+                            part.text = fix(part.text)
         return changed

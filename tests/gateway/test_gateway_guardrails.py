@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import sys
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -14,15 +17,15 @@ from fixtures.common import free_port, wait_port
 from fixtures.gateway import add_key, add_replica, make_store
 
 from controlplane.gateway import GatewayConfig
-from controlplane.gateway.config import GuardrailConfig
-from controlplane.gateway.guardrails import PII_PATTERNS, SseRewriter, StreamFilter, TextFilter
+from controlplane.gateway.config import GuardrailConfig, RoutingConfig, RoutingPolicy
+from controlplane.gateway.guardrails import PII_PATTERNS, Guardrails, SseRewriter, StreamFilter, TextFilter
+from controlplane.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from controlplane.gateway.tokens import TokenCounter
 
 EMAIL_TEXT = "write to alice.smith@example.com today"
 
 
 def _pii() -> TextFilter:
-    import re
-
     return TextFilter([(re.compile(p), f"[{k}]") for k, p in PII_PATTERNS.items()])
 
 
@@ -201,3 +204,141 @@ def test_pii_is_redacted_in_the_prompt_and_in_both_kinds_of_answer(guarded):
         raw = b"".join(s.iter_bytes())
     assert _texts(raw) == "write to [EMAIL] today"
     assert b"example" not in raw
+
+
+def test_the_prompt_is_taken_apart_once_for_the_count_and_the_guardrails(guarded, monkeypatch):
+    gw, _, headers = guarded
+    measured: list[list[str]] = []
+    screened: list[list[str]] = []
+    real = TokenCounter.measure
+
+    def counting(self: TokenCounter, texts: list[str], token_ids: list[list[int]], messages: int = 0) -> Any:
+        measured.append(texts)
+        return real(self, texts, token_ids, messages)
+
+    class Recorder:
+        name = "recorder"
+
+        async def __call__(self, model: str, texts: list[str]) -> None:
+            screened.append(texts)
+
+    monkeypatch.setattr(TokenCounter, "measure", counting)
+    gw.app.guardrails.pre.append(Recorder())
+    r = _chat(gw, headers, "hello there")
+    assert r.status_code == 200
+    assert len(measured) == 1
+    assert len(screened) == 1
+    assert screened[0] is measured[0]  # one list of texts, built once per request
+
+
+def test_pii_redaction_does_not_parse_the_body_again(guarded, monkeypatch):
+    gw, app, headers = guarded
+    marker = "zq-marker-7"
+    parses: list[str] = []
+    real = json.loads
+
+    def counting(s: Any, *args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        raw = s.encode() if isinstance(s, str) else bytes(s)
+        if caller.startswith("controlplane.gateway") and marker.encode() in raw:
+            parses.append(caller)
+        return real(s, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", counting)
+    r = _chat(gw, headers, f"{marker} mail carol@example.org", top_k=3, user="u1")
+    assert r.status_code == 200
+    sent = app.seen[-1]
+    assert sent["messages"][0]["content"] == f"{marker} mail [EMAIL]"
+    assert sent["top_k"] == 3  # the engine's own options survive the redaction
+    assert sent["user"] == "u1"
+    assert parses == []
+
+
+def _metric(gw: Any, series: str) -> float:
+    text = httpx.get(f"{gw.url}/metrics").text
+    m = re.search(rf"^{re.escape(series)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+@pytest.fixture
+def two_guards(tmp_path, upstream, gateway_factory):
+    """A moderation model on two replicas, one of which refuses connections."""
+    app, url = upstream
+    store = make_store(tmp_path)
+    add_replica(store, url, "m", rid="m-0")
+    add_replica(store, url, "guard", rid="guard-0")
+    add_replica(store, f"http://127.0.0.1:{free_port()}", "guard", rid="guard-down")
+    key = add_key(store, "g")
+    cfg = GatewayConfig(
+        routing=RoutingConfig(policy=RoutingPolicy.ROUND_ROBIN, eject_s=600),
+        guardrails=GuardrailConfig(moderation_model="guard"),
+    )
+    gw = gateway_factory(store, cfg)
+    return gw, app, {"Authorization": f"Bearer {key}"}
+
+
+def test_moderation_calls_are_queued_retried_ejected_and_metered_like_requests(two_guards):
+    gw, app, headers = two_guards
+    down = 'sarv_gateway_upstream_errors_total{replica="guard-down"}'
+    sent = 0
+    while _metric(gw, down) < 3:
+        assert sent < 12, "the moderation model's replicas were not both tried"
+        r = _chat(gw, headers, "hello")
+        sent += 1
+        assert r.status_code == 200, r.text  # the failing replica's calls were retried on the other
+    assert _metric(gw, down) == 3
+    views = {v.id: v for v in gw.app.router.replicas}
+    assert views["guard-down"].ejected_until > time.monotonic()
+    for _ in range(3):  # ejected: no longer tried
+        assert _chat(gw, headers, "hello").status_code == 200
+    sent += 3
+    assert _metric(gw, down) == 3
+    assert _metric(gw, "sarv_gateway_retries_total") == 3
+    assert _metric(gw, 'sarv_gateway_routing_decisions_total{policy="round-robin",replica="guard-0"}') == sent
+    assert _metric(gw, 'sarv_gateway_queue_seconds_count{model="guard"}') == sent
+    assert (
+        'sarv_gateway_prompt_tokens_total{key="gateway:moderation",model="guard"}'
+        in httpx.get(f"{gw.url}/metrics").text
+    )
+    assert [s["model"] for s in app.seen].count("guard") == sent
+
+
+@pytest.mark.parametrize(
+    ("schema", "body", "redacted"),
+    [
+        (
+            CompletionRequest,
+            {"model": "m", "prompt": ["mail bob@corp.io", "no pii"], "top_k": 2},
+            {"model": "m", "prompt": ["mail [EMAIL]", "no pii"], "top_k": 2},
+        ),
+        (
+            ChatCompletionRequest,
+            {
+                "model": "m",
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "ssn 123-45-6789", "x": 1}]},
+                    {"role": "user", "content": None},
+                ],
+            },
+            {
+                "model": "m",
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "ssn [SSN]", "x": 1}]},
+                    {"role": "user", "content": None},
+                ],
+            },
+        ),
+    ],
+)
+async def test_pii_redaction_of_a_parsed_request_keeps_what_the_client_sent(schema, body, redacted):
+    rails = Guardrails(GuardrailConfig(redact_pii_input=True), _no_ask)
+    raw = json.dumps(body).encode()
+    req = schema.model_validate_json(raw)
+    out = await rails.screen_input("m", req, [], raw)
+    assert json.loads(out) == redacted
+    clean = json.dumps({"model": "m", "prompt": [1, 2, 3]}).encode()
+    assert await rails.screen_input("m", CompletionRequest.model_validate_json(clean), [], clean) is clean
+
+
+async def _no_ask(model: str, messages: list[dict[str, str]], timeout: float) -> str:
+    raise AssertionError("no moderation configured")

@@ -1,0 +1,264 @@
+"""Is the request sane: its body read within bounds, parsed once, checked against caps and measured."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import cast
+
+from pydantic import BaseModel, ValidationError
+
+from controlplane.gateway.asgi import Receive, Scope
+from controlplane.gateway.config import GatewayConfig
+from controlplane.gateway.errors import ApiError
+from controlplane.gateway.routing import Router
+from controlplane.gateway.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from controlplane.gateway.tokens import PromptInfo, TokenCounter
+from controlplane.state.base import ApiKeyRecord
+
+__all__ = ["ENDPOINTS", "PromptParts", "RequestChecks", "prompt_parts"]
+
+ENDPOINTS: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/embeddings": EmbeddingRequest,
+}
+"""The proxied routes and the schema each body is validated against."""
+
+PromptParts = tuple[list[str], list[list[int]], int]
+"""(texts, token-id prompts, number of chat messages) of a validated request."""
+
+# pydantic's error locations include the union member tried ("prompt.list[int]"): not a field name.
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\])$")
+# Prompts longer than this (characters) are tokenised off the event loop.
+_THREAD_CHARS = 16384
+
+
+def prompt_parts(req: BaseModel) -> PromptParts:
+    """The texts and token ids a request asks the model to read: computed once per request, then
+    shared by the token count, the prefix hashes and the guardrails."""
+    texts: list[str] = []
+    ids: list[list[int]] = []
+    if isinstance(req, ChatCompletionRequest):
+        for m in req.messages:
+            if isinstance(m.content, str):
+                texts.append(m.content)
+            else:
+                texts.append("".join(p.text or "" for p in m.content or ()))
+        return texts, ids, len(req.messages)
+    if isinstance(req, CompletionRequest | EmbeddingRequest):
+        prompt = req.prompt if isinstance(req, CompletionRequest) else req.input
+        if isinstance(prompt, str):
+            return [prompt], ids, 0
+        for item in prompt:
+            if isinstance(item, str):
+                texts.append(item)
+            elif isinstance(item, int):
+                return texts, [cast("list[int]", prompt)], 0
+            else:
+                ids.append(item)
+    return texts, ids, 0
+
+
+def _cap(param: str, value: int | None, limit: int) -> None:
+    if value is not None and value > limit:
+        raise ApiError(
+            400,
+            f"'{param}' is {value}; the maximum is {limit}",
+            param=param,
+            code="invalid_value",
+            reason=param,
+        )
+
+
+class RequestChecks:
+    """The request stage of one gateway (built once): every refusal here is the client's mistake (4xx)."""
+
+    def __init__(self, config: GatewayConfig, router: Router) -> None:
+        self._config = config
+        self._limits = config.limits
+        self._router = router
+        lim = config.limits
+        r = config.routing
+        self._counters: dict[str, TokenCounter] = {}
+        self._default_counter = TokenCounter(
+            tokenizer_path=None,
+            max_bytes_per_token=lim.max_bytes_per_token,
+            block_tokens=r.block_tokens,
+            block_bytes=r.block_bytes,
+            max_blocks=r.max_blocks,
+        )
+
+    async def load_tokenizers(self) -> None:
+        """Load the tokenizers the config names (exact prompt lengths for those models)."""
+        lim = self._limits
+        r = self._config.routing
+        for model, over in self._config.models.items():
+            if over.tokenizer is not None and model not in self._counters:
+                self._counters[model] = await asyncio.to_thread(
+                    TokenCounter,
+                    tokenizer_path=over.tokenizer,
+                    max_bytes_per_token=lim.max_bytes_per_token,
+                    block_tokens=r.block_tokens,
+                    block_bytes=r.block_bytes,
+                    max_blocks=r.max_blocks,
+                )
+
+    async def read_body(self, scope: Scope, receive: Receive) -> bytes:
+        """The whole body, refused past ``max_body_bytes`` (declared or received) or ``body_timeout_s``."""
+        limit = self._limits.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    raise ApiError(400, "invalid Content-Length", code="invalid_request") from None
+                if declared > limit:
+                    raise ApiError(
+                        413, f"request body is {declared} bytes; the limit is {limit}", code="body_too_large"
+                    )
+                break
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self._limits.body_timeout_s):
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        raise ApiError(400, "client went away", code="client_disconnected")
+                    part: bytes = msg.get("body", b"")
+                    size += len(part)
+                    if size > limit:
+                        raise ApiError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+                    chunks.append(part)
+                    if not msg.get("more_body", False):
+                        break
+        except TimeoutError:
+            raise ApiError(
+                408,
+                f"request body not received within {self._limits.body_timeout_s:g}s",
+                code="timeout",
+            ) from None
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def parse(self, schema: type[BaseModel], body: bytes) -> BaseModel:
+        """The validated request: the one parse of the body the gateway makes."""
+        try:
+            return schema.model_validate_json(body)
+        except ValidationError as exc:
+            err = exc.errors(include_url=False)[0]
+            if err["type"] == "json_invalid":
+                raise ApiError(
+                    400, f"malformed JSON body: {err['msg']}", code="invalid_json", reason="invalid_json"
+                ) from None
+            loc = [str(p) for p in err.get("loc", ())]
+            # Unions report the member type tried ("prompt.str"); name the field the client wrote.
+            field = ".".join(p for p in loc if not _TYPE_TAG.match(p))
+            field = field or "body"
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+            raise ApiError(
+                400,
+                f"invalid '{field}': {msg}{more}",
+                param=field,
+                code="invalid_value",
+                reason="invalid_field",
+            ) from None
+
+    def resolve_model(self, record: ApiKeyRecord, req: BaseModel) -> str:
+        """The requested model, when a replica serves it and the key may use it."""
+        model = str(getattr(req, "model", ""))
+        if not self._router.serves(model):
+            raise ApiError(
+                404,
+                f"the model '{model}' does not exist or has no ready replica",
+                param="model",
+                code="model_not_found",
+                reason="unknown_model",
+            )
+        if record.models and model not in record.models:
+            raise ApiError(
+                403,
+                f"this API key may not use the model '{model}'",
+                param="model",
+                code="model_not_allowed",
+                reason="model_not_allowed",
+            )
+        return model
+
+    def check_caps(self, req: BaseModel) -> None:
+        lim = self._limits
+        if isinstance(req, CompletionRequest | ChatCompletionRequest):
+            _cap("max_tokens", req.max_tokens, lim.max_tokens_cap)
+            _cap("n", req.n, lim.max_n)
+            if isinstance(req.stop, list):
+                _cap("stop", len(req.stop), lim.max_stop_sequences)
+        if isinstance(req, CompletionRequest):
+            _cap("best_of", req.best_of, lim.max_best_of)
+            _cap("logprobs", req.logprobs, lim.max_logprobs)
+            if isinstance(req.prompt, list):
+                _cap("prompt", len(req.prompt), lim.max_prompt_items)
+        elif isinstance(req, ChatCompletionRequest):
+            _cap("max_completion_tokens", req.max_completion_tokens, lim.max_tokens_cap)
+            _cap("top_logprobs", req.top_logprobs, lim.max_logprobs)
+            _cap("messages", len(req.messages), lim.max_prompt_items)
+        elif isinstance(req, EmbeddingRequest) and isinstance(req.input, list):
+            _cap("input", len(req.input), lim.max_prompt_items)
+
+    async def measure(self, model: str, parts: PromptParts) -> PromptInfo:
+        """The prompt's tokens (exact with the model's tokenizer) and prefix blocks."""
+        texts, ids, messages = parts
+        counter = self._counters.get(model, self._default_counter)
+        if counter.exact and sum(len(t) for t in texts) > _THREAD_CHARS:
+            # Long prompts take milliseconds to tokenise: off the event loop (the Rust side drops the GIL).
+            return await asyncio.to_thread(counter.measure, texts, ids, messages)
+        return counter.measure(texts, ids, messages)
+
+    def max_context(self, model: str) -> int:
+        over = self._config.models.get(model)
+        if over is not None and over.max_context:
+            return over.max_context
+        return self._router.max_context(model) or self._limits.default_max_context
+
+    def check_lengths(self, record: ApiKeyRecord, req: BaseModel, model: str, info: PromptInfo) -> int:
+        """Refuse prompts over the context or the key's cap; return the tokens to reserve."""
+        context = self.max_context(model)
+        bound = "" if info.exact else "at least "
+        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        if info.tokens > context:
+            raise ApiError(
+                400,
+                f"the prompt is {bound}{info.tokens} tokens; the model '{model}' accepts at most {context}",
+                param=param,
+                code="context_length_exceeded",
+                reason="context_length",
+            )
+        cap = record.max_prompt_tokens
+        if cap is not None and info.tokens > cap:
+            raise ApiError(
+                400,
+                f"the prompt is {bound}{info.tokens} tokens; this API key allows at most {cap}",
+                param=param,
+                code="prompt_too_long",
+                reason="key_prompt_cap",
+            )
+        if isinstance(req, EmbeddingRequest):
+            return info.tokens
+        asked: int | None = None
+        ways = 1
+        if isinstance(req, CompletionRequest):
+            asked = req.max_tokens
+            ways = max(req.n, req.best_of or 1)
+        elif isinstance(req, ChatCompletionRequest):
+            asked = req.max_tokens or req.max_completion_tokens
+            ways = req.n
+        if asked is not None and info.tokens + asked > context:
+            raise ApiError(
+                400,
+                f"the prompt ({bound}{info.tokens} tokens) plus max_tokens ({asked}) exceeds "
+                f"the context of '{model}' ({context} tokens)",
+                param="max_tokens",
+                code="context_length_exceeded",
+                reason="context_length",
+            )
+        return info.tokens + (asked or self._limits.default_max_tokens) * ways

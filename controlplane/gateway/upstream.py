@@ -1,0 +1,345 @@
+"""From admission to the answer: the model's queue, the upstream call, retry and ejection, relay, usage.
+
+Every call the gateway makes to a replica on a request's behalf goes through
+:meth:`Upstream.admit_and_forward`, the moderation guardrail's included (:meth:`Upstream.ask`): queued,
+retried, ejected and metered alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+from yarl import URL
+
+from controlplane.gateway.admission import Gate
+from controlplane.gateway.asgi import Message, Receive, Send, respond_error
+from controlplane.gateway.config import GatewayConfig
+from controlplane.gateway.errors import ApiError
+from controlplane.gateway.guardrails import SseRewriter, TextFilter
+from controlplane.gateway.metrics import GatewayMetrics
+from controlplane.gateway.ratelimit import Reservation
+from controlplane.gateway.routing import ReplicaView, Router
+from controlplane.gateway.tokens import PromptInfo
+
+__all__ = ["MODERATION_KEY", "Flight", "Job", "Upstream", "usage_from"]
+
+logger = logging.getLogger(__name__)
+
+MODERATION_KEY = "gateway:moderation"
+"""The ``key`` label of the moderation guardrail's own calls in the token counters."""
+
+_PROMPT_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_COMPLETION_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# Connection failures before the first byte: safe to retry elsewhere, nothing reached the client.
+_RETRYABLE = (aiohttp.ClientConnectionError,)
+_RETRY_STATUS = frozenset({502, 503})
+_JSON_HEADERS = {"content-type": "application/json"}
+_CHAT = "/v1/chat/completions"
+
+
+@dataclass(slots=True)
+class Flight:
+    """Per-request state shared with the disconnect watcher."""
+
+    done: bool = False
+    """The answer is complete (or being completed): a disconnect now is the normal end."""
+    started: bool = False
+    """Response headers went out: no retry, no error body any more."""
+    disconnected: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """One proxied request as it moves through admission, routing and the relay."""
+
+    path: str
+    start: float
+    key: str = "none"
+    model: str = ""
+    body: bytes = b""
+    stream: bool = False
+    info: PromptInfo = field(default_factory=lambda: PromptInfo(0, False, []))
+    reserve: int = 0
+    reservation: Reservation | None = None
+    forwarded: bool = False
+    usage: list[int] = field(default_factory=lambda: [0, 0])
+    """[prompt, completion] tokens: measured, then replaced by the replica's usage when it reports one."""
+    flight: Flight = field(default_factory=Flight)
+    filter_output: bool = True
+    """Apply the output guardrails to the answer (False for the gateway's own calls)."""
+    timeout: aiohttp.ClientTimeout | None = None
+    """The upstream call's timeout; None: ``limits.request_timeout_s``."""
+
+    @property
+    def model_label(self) -> str:
+        return self.model or "unknown"
+
+
+class _Reply:
+    """Collects a non-streamed answer the gateway consumes itself (the ``send`` of :meth:`Upstream.ask`)."""
+
+    __slots__ = ("body", "status")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.body = b""
+
+    async def send(self, msg: Message) -> None:
+        if msg["type"] == "http.response.start":
+            self.status = msg["status"]
+        else:
+            self.body += msg.get("body", b"")
+
+
+class Upstream:
+    """The upstream stage of one gateway (built once). ``session`` is set while the app is started;
+    ``output_filter`` is the guardrails' filter of answers, if any."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        router: Router,
+        metrics: GatewayMetrics,
+        gate: Callable[[str], Gate],
+        monotonic: Callable[[], float],
+    ) -> None:
+        lim = config.limits
+        self._limits = lim
+        self._routing = config.routing
+        self._policy = config.routing.policy.value
+        self._router = router
+        self._metrics = metrics
+        self._gate = gate
+        self._mono = monotonic
+        self.session: aiohttp.ClientSession | None = None
+        self.output_filter: TextFilter | None = None
+        self._urls: dict[tuple[str, str], URL] = {}
+        self._timeout = aiohttp.ClientTimeout(total=lim.request_timeout_s, sock_connect=lim.connect_timeout_s)
+        self._ask_timeouts: dict[float, aiohttp.ClientTimeout] = {}
+
+    async def admit_and_forward(self, receive: Receive | None, send: Send, job: Job) -> int:
+        """Queue for the model, then forward; the HTTP status sent. With ``receive``, a client that
+        disconnects (queued or mid-answer) cancels its request: 499."""
+        lim = self._limits
+        gate = self._gate(job.model)
+        flight = job.flight
+        task = asyncio.current_task()
+        watcher: asyncio.Task[None] | None = None
+        if receive is not None:
+
+            async def watch() -> None:
+                msg = await receive()
+                if msg["type"] == "http.disconnect" and not flight.done and task is not None:
+                    flight.disconnected = True
+                    task.cancel()
+
+            # Watch from before the queue: a client that leaves while queued gives its place up at once.
+            watcher = asyncio.create_task(watch())
+        acquired = False
+        m = self._metrics
+        try:
+            q0 = self._mono()
+            await gate.acquire(lim.queue_timeout_s, lim.retry_after_s)
+            acquired = True
+            m.child(m.queue, job.model).observe(self._mono() - q0)
+            job.forwarded = True
+            return await self.forward(send, job)
+        except asyncio.CancelledError:
+            if not flight.disconnected or task is None:
+                raise
+            # Our own watcher cancelled us: the client left. Leaving the ``async with`` of the upstream
+            # response closed its connection, which is how vLLM learns to abort the request.
+            task.uncancel()
+            logger.debug("client disconnected; upstream request cancelled")
+            return 499
+        finally:
+            flight.done = True
+            if watcher is not None:
+                watcher.cancel()
+            if acquired:
+                gate.release()
+            m.child(m.prompt_tokens, job.model, job.key).inc(job.usage[0])
+            m.child(m.completion_tokens, job.model, job.key).inc(job.usage[1])
+
+    async def forward(self, send: Send, job: Job) -> int:
+        """Pick a replica and call it, retrying connection failures and 502/503 on others."""
+        session = self.session
+        if session is None:
+            raise ApiError(503, "the gateway is not started", code="not_ready")
+        router = self._router
+        m = self._metrics
+        model = job.model
+        policy = self._policy
+        tried: set[str] = set()
+        for attempt in range(self._routing.max_retries + 1):
+            replica = router.pick(model, job.info.blocks, frozenset(tried))
+            if replica is None:
+                if attempt == 0:
+                    raise ApiError(503, f"no ready replica for '{model}'", code="no_replica", retry_after=1)
+                break
+            if attempt:
+                m.retries.inc()
+            m.child(m.routing_decisions, policy, replica.id).inc()
+            router.on_start(replica, job.reserve, job.info.blocks)
+            try:
+                result = await self._call(session, replica, send, job)
+            except (*_RETRYABLE, TimeoutError) as exc:
+                self.failed(replica, exc)
+                if job.flight.started:
+                    # Mid-answer: nothing can be retried or reported; dropping the connection tells the
+                    # client the answer is incomplete (an SSE client sees no [DONE]).
+                    raise
+                if isinstance(exc, _RETRYABLE):
+                    tried.add(replica.id)
+                    continue
+                raise ApiError(504, "the replica did not answer in time", code="upstream_timeout") from None
+            finally:
+                router.on_finish(replica, job.reserve)
+            if result is None:  # a 502/503 from the replica before any byte reached the client
+                self.failed(replica, RuntimeError("unavailable"))
+                tried.add(replica.id)
+                continue
+            if result < 500:
+                router.on_success(replica)
+            return result
+        raise ApiError(502, f"every replica of '{model}' failed", code="upstream_unavailable")
+
+    def failed(self, replica: ReplicaView, exc: BaseException) -> None:
+        """Count a failed call; the router ejects a replica that keeps failing."""
+        self._metrics.upstream_errors.labels(replica.id).inc()
+        if self._router.on_failure(replica):
+            logger.warning("replica %s ejected after repeated failures (last: %s)", replica.id, exc)
+
+    async def _call(
+        self, session: aiohttp.ClientSession, replica: ReplicaView, send: Send, job: Job
+    ) -> int | None:
+        """One upstream attempt; None when the replica said 502/503 before anything reached the client."""
+        flight = job.flight
+        url = self._urls.get((replica.endpoint, job.path))
+        if url is None:  # parsed once per replica and endpoint, not per request
+            if len(self._urls) >= 4096:  # replicas come and go: start over rather than grow
+                self._urls.clear()
+            url = self._urls[(replica.endpoint, job.path)] = URL(replica.endpoint + job.path)
+        async with session.post(
+            url, data=job.body, headers=_JSON_HEADERS, timeout=job.timeout or self._timeout
+        ) as resp:
+            status = resp.status
+            if status in _RETRY_STATUS:
+                await resp.read()
+                return None
+            if status >= 500:
+                text = (await resp.read())[:500]
+                self.failed(replica, RuntimeError(f"HTTP {status}"))
+                logger.warning("replica %s answered %d: %r", replica.id, status, text)
+                flight.done = flight.started = True
+                await respond_error(
+                    send, ApiError(502, f"the replica failed (HTTP {status})", code="upstream_error")
+                )
+                return 502
+            ctype = resp.headers.get("content-type", "application/json").encode("latin-1")
+            headers = [(b"content-type", ctype), (b"x-sarv-replica", replica.id.encode())]
+            if not job.stream or status != 200 or not ctype.startswith(b"text/event-stream"):
+                data = await resp.read()
+                if self.output_filter is not None and status == 200 and job.filter_output:
+                    data = SseRewriter(self.output_filter).rewrite_body(data)
+                usage_from(data, job.usage)
+                headers.append((b"content-length", str(len(data)).encode()))
+                flight.done = flight.started = True
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                await send({"type": "http.response.body", "body": data})
+                return status
+            headers.append((b"cache-control", b"no-cache"))
+            headers.append((b"x-accel-buffering", b"no"))
+            flight.started = True
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await self._relay(resp, send, job)
+            return status
+
+    async def _relay(self, resp: aiohttp.ClientResponse, send: Send, job: Job) -> None:
+        """Copy an SSE body chunk by chunk as it arrives (no buffering), timing TTFT and gaps."""
+        out_filter = self.output_filter if job.filter_output else None
+        rewriter = SseRewriter(out_filter) if out_filter is not None else None
+        m = self._metrics
+        ttft = m.child(m.ttft, job.model)
+        itl = m.child(m.itl, job.model)
+        mono = self._mono
+        last = 0.0
+        events = 0
+        tail = b""
+        read = resp.content.readany  # iter_any() without its iterator wrapper: b"" is the end
+        while chunk := await read():
+            now = mono()
+            if last:
+                itl.observe(now - last)
+            else:
+                ttft.observe(now - job.start)
+            last = now
+            # One SSE event per token is vLLM's framing: a cheap completion count when usage is absent
+            # (kept current, so that a client leaving mid-stream is charged for what it received).
+            events += chunk.count(b"data: {")
+            job.usage[1] = events
+            if b'"usage":{' in chunk:
+                tail = chunk
+            out = rewriter.feed(chunk) if rewriter is not None else chunk
+            if out:
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+        if tail:
+            usage_from(tail, job.usage)
+        job.flight.done = True
+        await send({"type": "http.response.body", "body": rewriter.close() if rewriter else b""})
+
+    async def ask(self, model: str, messages: list[dict[str, str]], timeout: float) -> str:
+        """One non-streamed chat call to a Sarv-served model (the moderation hook's channel), through the
+        same queue, retries, ejection and metrics as a client's request; ``timeout`` bounds the call."""
+        payload = json.dumps(
+            {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0}
+        ).encode()
+        client_timeout = self._ask_timeouts.get(timeout)
+        if client_timeout is None:
+            client_timeout = self._ask_timeouts[timeout] = aiohttp.ClientTimeout(
+                total=timeout, sock_connect=min(timeout, self._limits.connect_timeout_s)
+            )
+        job = Job(
+            path=_CHAT,
+            start=self._mono(),
+            key=MODERATION_KEY,
+            model=model,
+            body=payload,
+            filter_output=False,
+            timeout=client_timeout,
+        )
+        reply = _Reply()
+        try:
+            status = await self.admit_and_forward(None, reply.send, job)
+        except ApiError as exc:
+            raise ApiError(
+                503, f"{model} did not answer: {exc.message}", code="moderation_unavailable"
+            ) from None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ApiError(503, f"{model} did not answer: {exc}", code="moderation_unavailable") from None
+        if status != 200:
+            raise ApiError(503, f"{model} answered HTTP {status}", code="moderation_unavailable")
+        try:
+            data = json.loads(reply.body)
+            return str(data["choices"][0]["message"]["content"] or "")
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise ApiError(
+                503, f"{model} answered without a verdict", code="moderation_unavailable"
+            ) from None
+
+
+def usage_from(data: bytes, usage: list[int]) -> None:
+    """Take the replica's own token counts from an answer (the last ``usage`` object in it), if any."""
+    p = _PROMPT_RE.findall(data)
+    c = _COMPLETION_RE.findall(data)
+    if p:
+        usage[0] = int(p[-1])
+    if c:
+        usage[1] = int(c[-1])
