@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     YamlConfigSettingsSource,
@@ -34,6 +36,25 @@ def default_config_path() -> Path:
         return Path(env)
     xdg = os.environ.get("XDG_CONFIG_HOME")
     return (Path(xdg) if xdg else Path.home() / ".config") / "sarv" / "config.yaml"
+
+
+def _holds_path(annotation: Any) -> bool:
+    """True for ``Path``, ``Path | None``, ``list[Path]`` and the like."""
+    return annotation is Path or any(_holds_path(arg) for arg in get_args(annotation))
+
+
+class _EnvSource(EnvSettingsSource):
+    """``SARV_*`` variables, where an empty value of a path setting means unset.
+
+    ``Path("")`` is the current directory: ``SARV_INVENTORY=`` would otherwise make ansible-core run every
+    executable file there as an inventory script. Other settings keep their empty strings.
+    """
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        value, key, is_complex = super().get_field_value(field, field_name)
+        if value == "" and _holds_path(field.annotation):
+            return None, key, is_complex
+        return value, key, is_complex
 
 
 class Settings(BaseSettings):
@@ -79,6 +100,23 @@ class Settings(BaseSettings):
     """Share of each limit a gateway books in Redis at once and admits from locally (0: one Redis call per
     request). A gateway holds back at most this much of a key's limit from the others, for at most 1 s."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_paths_are_unset(cls, data: Any) -> Any:
+        """An empty path from the config file or an argument means unset, as it does in ``SARV_*``."""
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for name, field in cls.model_fields.items():
+            if name not in out or not _holds_path(field.annotation):
+                continue
+            value = out[name]
+            if value == "":
+                del out[name]
+            elif isinstance(value, list):
+                out[name] = [item for item in value if item != ""]
+        return out
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -89,7 +127,7 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         path = default_config_path()
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        sources: list[PydanticBaseSettingsSource] = [init_settings, _EnvSource(settings_cls)]
         if path.is_file():
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
         return tuple(sources)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import aiohttp
 
@@ -24,6 +24,28 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).resolve().parent / "results"
 PY = sys.executable
 CORES = os.cpu_count() or 1
+
+
+def missing(what: str, how: str) -> NoReturn:
+    """Stop with one line on stderr naming a missing prerequisite and how to get it (exit status 2)."""
+    print(f"error: {what}; {how}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def require_binary(name: str, install: str, *, also_in: tuple[str, ...] = ()) -> str:
+    """The path of program ``name`` from PATH (then ``also_in``), or stop with how to ``install`` it."""
+    found = shutil.which(name) or shutil.which(name, path=os.pathsep.join(also_in))
+    if found is None:
+        missing(f"{name} is not installed (not on PATH)", f"install it with `{install}`")
+    return found
+
+
+def require_module(name: str, install: str) -> None:
+    """Stop unless Python module ``name`` imports, saying how to ``install`` it."""
+    try:
+        __import__(name)
+    except ImportError:
+        missing(f"Python module {name} is not installed in {sys.prefix}", f"install it with `{install}`")
 
 
 def core(i: int) -> str:

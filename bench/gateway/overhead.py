@@ -32,7 +32,6 @@ import asyncio
 import json
 import math
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -49,8 +48,11 @@ from common import (
     cpu_ticks,
     free_port,
     make_state,
+    missing,
     plot,
     processes,
+    require_binary,
+    require_module,
     sim,
     summarize,
     wait_http,
@@ -107,7 +109,25 @@ http {{
     return conf
 
 
-def start_targets(procs: Any, tmp: Path, sim_url: str, peers: bool) -> dict[str, dict[str, Any]]:
+def check_prerequisites(peers: bool) -> dict[str, str]:
+    """The programs the run needs (name -> path); stops with one line naming the first one missing."""
+    tools = {
+        "redis-server": require_binary("redis-server", "apt-get install redis-server"),
+        "nginx": require_binary("nginx", "apt-get install nginx", also_in=("/usr/sbin", "/sbin")),
+    }
+    require_module("psutil", "pip install -e '.[bench]'")
+    if peers:
+        for tool in ("vllm-router", "litellm"):
+            if not (BENCH_VENV / tool).exists():
+                missing(
+                    f"{tool} is not in {BENCH_VENV}", "create it with `sh bench/gateway/setup_bench_venv.sh`"
+                )
+    return tools
+
+
+def start_targets(
+    procs: Any, tmp: Path, sim_url: str, peers: bool, tools: dict[str, str]
+) -> dict[str, dict[str, Any]]:
     """Every proxy in front of the sim, pinned to core 1; name -> {url, pid, headers}."""
     targets: dict[str, dict[str, Any]] = {"direct": {"url": sim_url, "pid": None, "headers": {}}}
 
@@ -116,7 +136,7 @@ def start_targets(procs: Any, tmp: Path, sim_url: str, peers: bool) -> dict[str,
     procs.start(
         "redis",
         [
-            "redis-server",
+            tools["redis-server"],
             "--port",
             str(redis_port),
             "--bind",
@@ -146,15 +166,13 @@ def start_targets(procs: Any, tmp: Path, sim_url: str, peers: bool) -> dict[str,
         "headers": {"Authorization": f"Bearer {key}"},
     }
 
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-    if Path(nginx).exists():
-        port = free_port()
-        conf = nginx_conf(tmp, port, sim_url)
-        p = procs.start("nginx", [nginx, "-c", str(conf), "-p", str(tmp)], cpu=core(1))
-        wait_http(f"http://127.0.0.1:{port}/health")
-        targets["nginx"] = {"url": f"http://127.0.0.1:{port}", "pid": p.pid, "headers": {}}
+    port = free_port()
+    conf = nginx_conf(tmp, port, sim_url)
+    p = procs.start("nginx", [tools["nginx"], "-c", str(conf), "-p", str(tmp)], cpu=core(1))
+    wait_http(f"http://127.0.0.1:{port}/health")
+    targets["nginx"] = {"url": f"http://127.0.0.1:{port}", "pid": p.pid, "headers": {}}
 
-    if peers and (BENCH_VENV / "vllm-router").exists():
+    if peers:
         port = free_port()
         p = procs.start(
             "vllm-router",
@@ -178,7 +196,7 @@ def start_targets(procs: Any, tmp: Path, sim_url: str, peers: bool) -> dict[str,
             targets["vllm-router"] = {"url": f"http://127.0.0.1:{port}", "pid": p.pid, "headers": {}}
         except TimeoutError:
             print("vllm-router did not start; see its log")
-    if peers and (BENCH_VENV / "litellm").exists():
+    if peers:
         port = free_port()
         cfg = tmp / "litellm.yaml"
         cfg.write_text(
@@ -295,7 +313,7 @@ def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def run_profile(name: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_profile(name: str, args: argparse.Namespace, tools: dict[str, str]) -> dict[str, Any]:
     prof = PROFILES[name]
     duration = args.duration or prof["duration"]
     repeat = args.repeat or prof["repeat"]
@@ -307,7 +325,7 @@ def run_profile(name: str, args: argparse.Namespace) -> dict[str, Any]:
         tmp = Path(td)
         with processes(tmp / "logs") as procs:
             sim_url = sim(procs, "sim", MODEL, core(0), **prof["sim"])
-            targets = start_targets(procs, tmp, sim_url, args.peers)
+            targets = start_targets(procs, tmp, sim_url, args.peers, tools)
             names = list(targets)
             for stream in (True, False):
                 body = json.dumps(
@@ -372,11 +390,12 @@ def main() -> None:
     )
     ap.add_argument("--peers", action="store_true", help="also LiteLLM and vllm-router (bench venv)")
     args = ap.parse_args()
+    tools = check_prerequisites(args.peers)
     # The load generator shares core 0 with the simulator; the proxies (and Redis) have core 1.
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(core(0))})
     for name in args.profile:
-        path = write_json(f"overhead-{name}", run_profile(name, args))
+        path = write_json(f"overhead-{name}", run_profile(name, args, tools))
         print(f"wrote {path}")
         plot("overhead", path)
         time.sleep(1)

@@ -1,7 +1,7 @@
 """Planner benchmark: wall time and GPUs used on a generated 1,000-node fleet, against lower bounds and an
 exact MILP (PuLP + HiGHS) on subsets of at most 50 nodes.
 
-    .venv/bin/python bench/planner/run.py            # full run, writes bench/results/planner.{json,md}
+    .venv/bin/python bench/planner/run.py            # full run: bench/planner/results/planner.{json,md}
     .venv/bin/python bench/planner/run.py --quick    # smaller, for a smoke check
 
 Needs the bench extra (``pip install -e '.[bench]'``) for the exact solver.
@@ -25,7 +25,7 @@ from controlplane.catalog import Catalog, estimate
 from controlplane.placement import PlacementRequest, plan_many
 from controlplane.spec import GPU, DeploymentSpec, Fleet, Interconnect, ModelSpec, Node, Plan, Quantization
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = Path(__file__).resolve().parent / "results"
 
 # GPU types of the generated fleet: (model, MiB, NVLink, GPUs per PCIe switch, share of nodes).
 GPU_TYPES = [
@@ -378,6 +378,20 @@ def table(full: dict[str, object], subsets: list[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def require_solver() -> None:
+    """Stop with one line unless PuLP and its HiGHS backend (the bench extra) import."""
+    for module in ("pulp", "highspy"):
+        try:
+            __import__(module)
+        except ImportError:
+            print(
+                f"error: Python module {module} is not installed in {sys.prefix}; "
+                "install it with `pip install -e '.[bench]'`",
+                file=sys.stderr,
+            )
+            raise SystemExit(2) from None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="200 nodes, 400 replicas, 3 subsets")
@@ -385,6 +399,7 @@ def main() -> None:
     ap.add_argument("--solver-seconds", type=float, default=60.0)
     ap.add_argument("--subsets", type=int, default=8, help="how many exact-solver subsets to run (at most 8)")
     args = ap.parse_args()
+    require_solver()
     pinned = pin_one_core()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     catalog = Catalog.load()

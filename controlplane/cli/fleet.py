@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from controlplane.cli import ui
+from controlplane.cli.options import optional_path
 from controlplane.spec import Fleet, Interconnect, Node
 
 __all__ = ["OutputFormat", "register", "topology_summary"]
@@ -104,6 +105,8 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "-i",
                 "--inventory",
+                parser=optional_path,
+                metavar="PATH",
                 help="Ansible inventory (INI/YAML) or fleet file (JSON/YAML). "
                 "Default: $SARV_INVENTORY, else this host.",
             ),

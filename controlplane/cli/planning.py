@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from controlplane.cli import ui
+from controlplane.cli.options import optional_path
 from controlplane.errors import PlacementError
 from controlplane.spec import Quantization, Strategy
 
@@ -220,6 +221,8 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "-i",
                 "--inventory",
+                parser=optional_path,
+                metavar="PATH",
                 help="Ansible inventory (INI/YAML) or fleet file. Default: $SARV_INVENTORY, else this host.",
             ),
         ] = None,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from controlplane.cli import ui
+from controlplane.cli.options import optional_path
 from controlplane.errors import UserError
 from controlplane.spec import (
     DeploymentSpec,
@@ -46,7 +47,11 @@ class EngineChoice(StrEnum):
 InventoryOpt = Annotated[
     Path | None,
     typer.Option(
-        "--inventory", "-i", help="Ansible inventory or fleet file (default: SARV_INVENTORY, else this host)."
+        "--inventory",
+        "-i",
+        parser=optional_path,
+        metavar="PATH",
+        help="Ansible inventory or fleet file (default: SARV_INVENTORY, else this host).",
     ),
 ]
 

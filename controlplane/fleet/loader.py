@@ -20,11 +20,11 @@ __all__ = ["load_fleet"]
 def load_fleet(source: Path | str | None) -> Fleet:
     """The fleet described by ``source``.
 
-    - None: this host alone (named after it, address 127.0.0.1, GPUs from a local ``nvidia-smi`` if any);
+    - None or "": this host alone (named after it, address 127.0.0.1, GPUs from a local ``nvidia-smi``);
     - a fleet file (JSON/YAML with top-level ``version``/``nodes``, as ``llmctl inventory -o json`` writes);
     - an Ansible inventory file or directory (INI or YAML), read with ansible-core's own loader.
     """
-    if source is None:
+    if source is None or source == "":  # Path("") would be the current directory
         return local_fleet()
     path = Path(source).expanduser()
     if not path.exists():

@@ -72,7 +72,7 @@ def group_launcher_for(nodes: list[Node], model_cache: Path, settings: Settings)
     stages = []
     try:
         for node in nodes:
-            launcher = launcher_for(node, model_cache, model_cache, settings)
+            launcher = launcher_for(node, settings.home, model_cache, settings)
             if not isinstance(launcher, SshLauncher):  # narrowed for mypy; remote nodes get SSH
                 raise LaunchError(f"node {node.name} has no SSH launcher")
             stages.append(launcher)
