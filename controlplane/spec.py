@@ -196,6 +196,11 @@ class ModelSpec(_Model):
     """Weight variants available for this model."""
     task: str = "generate"
     """``generate`` or ``embed``."""
+    tool_call_parser: str | None = Field(default=None, pattern=r"^[a-z0-9_.-]+$")
+    """vLLM's ``--tool-call-parser`` for this model family (``llama3_json``, ``hermes``, ``mistral`` …);
+    unset: the model has no tool-call format vLLM can parse, and tool calling cannot be turned on."""
+    tool_chat_template: str | None = None
+    """A chat template for tool use when the model's own lacks one (a path inside the engine image)."""
 
     @model_validator(mode="after")
     def _heads(self) -> ModelSpec:

@@ -46,6 +46,20 @@ _QUANT_METHODS = {
 }
 
 
+# The tool-call format of a model family, by architecture, for models read from a local config.json.
+# Built-in catalog entries name theirs (models.yaml); Llama 3.0 checkpoints share the 3.1 architecture
+# but have no tool format: give such a model its own catalog entry without tool_call_parser.
+TOOL_CALL_PARSERS = {
+    "LlamaForCausalLM": "llama3_json",
+    "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "hermes",
+    "Qwen2MoeForCausalLM": "hermes",
+    "Qwen3ForCausalLM": "hermes",
+    "Qwen3MoeForCausalLM": "hermes",
+}
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9.-]+", "-", text.lower()).strip("-.") or "model"
 
@@ -90,6 +104,7 @@ def spec_from_hf_config(config: dict[str, Any], *, name: str) -> CatalogEntry:
         "max_model_len": int(cfg.get("max_position_embeddings") or 4096),
         "quantizations": variants,
         "num_params": 1,
+        "tool_call_parser": TOOL_CALL_PARSERS.get(str(archs[0])),
     }
     try:
         entry = CatalogEntry.model_validate(fields)
