@@ -293,7 +293,7 @@ class SpeculativeConfig(_Model):
                 raise UserError(f"speculative_config is not valid JSON: {exc}") from None
             if not isinstance(obj, dict):
                 raise UserError("speculative_config must be a JSON object")
-            known = {k: obj.pop(k) for k in list(obj) if k in _SPECULATIVE_FIELDS}
+            known = {k: obj.pop(k) for k in list(obj) if k in cls.model_fields and k != "options"}
             return cls._checked({**known, "options": obj})
         kind, _, rest = text.partition(":")
         if kind == "ngram" and (not rest or rest.isdigit()):
@@ -323,9 +323,6 @@ class SpeculativeConfig(_Model):
         """The JSON object vLLM's ``--speculative-config`` takes."""
         known = self.model_dump(exclude={"options"}, exclude_none=True)
         return json.dumps({**self.options, **known}, sort_keys=True)
-
-
-_SPECULATIVE_FIELDS = frozenset({"method", "model", "num_speculative_tokens", "prompt_lookup_max"})
 
 
 class DeploymentSpec(_Model):
