@@ -6,11 +6,22 @@ integers, the unit ``nvidia-smi`` reports; GiB appear only in human-facing outpu
 
 from __future__ import annotations
 
+import json
 import re
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from controlplane.errors import UserError, describe_validation_error
 
 __all__ = [
     "DTYPE_BYTES",
@@ -20,14 +31,17 @@ __all__ = [
     "Dtype",
     "EngineKind",
     "Fleet",
+    "LoraAdapter",
     "ModelSpec",
     "Node",
     "Plan",
+    "ProbePaths",
     "Quantization",
     "ReplicaPlan",
     "ReplicaRecord",
     "ReplicaState",
     "Shard",
+    "SpeculativeConfig",
     "Strategy",
 ]
 
@@ -228,6 +242,97 @@ class EngineKind(StrEnum):
     SIM = "sim"
 
 
+class LoraAdapter(_Model):
+    """One LoRA adapter served on the deployment's base model, routable as a model of its own."""
+
+    name: str = Field(min_length=1, pattern=r"^[^=,\s]+$")
+    source: str | None = None
+    """Adapter weights on the node (vLLM's ``NAME=PATH``); None for engines that need none (``sim``)."""
+
+    @classmethod
+    def parse_list(cls, text: str) -> list[LoraAdapter]:
+        """``name=path,name2=path2`` (or bare names for ``sim``) → adapters; a one-line error otherwise."""
+        out: list[LoraAdapter] = []
+        for entry in (e.strip() for e in text.split(",")):
+            if not entry:
+                continue
+            name, eq, source = (p.strip() for p in entry.partition("="))
+            if not name or (eq and not source) or any(c.isspace() for c in name):
+                raise UserError(f"lora_modules entry {entry!r} must be NAME=PATH (or NAME for sim)")
+            out.append(cls(name=name, source=source or None))
+        names = [a.name for a in out]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise UserError(f"LoRA adapter {dup[0]!r} is given twice")
+        return out
+
+    def as_module(self) -> str:
+        """vLLM's ``--lora-modules`` entry: ``NAME=PATH``, or ``NAME`` alone."""
+        return self.name if self.source is None else f"{self.name}={self.source}"
+
+
+class SpeculativeConfig(_Model):
+    """vLLM's ``--speculative-config``: n-gram lookup, a draft model, or another method vLLM knows."""
+
+    method: str | None = Field(default=None, min_length=1)
+    """``ngram``, ``eagle``, ``mtp`` …; None with ``model`` set is a draft model."""
+    model: str | None = Field(default=None, min_length=1)
+    """Draft (or EAGLE head) model directory."""
+    num_speculative_tokens: int | None = Field(default=None, ge=1, le=128)
+    prompt_lookup_max: int | None = Field(default=None, ge=1)
+    """Longest n-gram the ``ngram`` method looks up in the prompt."""
+    options: dict[str, JsonValue] = Field(default_factory=dict)
+    """Further keys of vLLM's JSON object, passed through unchanged."""
+
+    @model_validator(mode="after")
+    def _method_or_model(self) -> SpeculativeConfig:
+        if self.method is None and self.model is None:
+            raise ValueError("speculative_config needs a method or a draft model")
+        return self
+
+    @classmethod
+    def parse(cls, value: str | int | float | bool) -> SpeculativeConfig:
+        """``ngram[:N]``, ``draft:MODEL[:N]`` or a JSON object; a one-line error otherwise."""
+        text = str(value).strip()
+        if text.startswith("{"):
+            try:
+                obj = json.loads(text)
+            except ValueError as exc:
+                raise UserError(f"speculative_config is not valid JSON: {exc}") from None
+            if not isinstance(obj, dict):
+                raise UserError("speculative_config must be a JSON object")
+            known = {k: obj.pop(k) for k in list(obj) if k in cls.model_fields and k != "options"}
+            return cls._checked({**known, "options": obj})
+        kind, _, rest = text.partition(":")
+        if kind == "ngram" and (not rest or rest.isdigit()):
+            n = int(rest) if rest else 4
+            return cls._checked({"method": "ngram", "num_speculative_tokens": n, "prompt_lookup_max": 4})
+        if kind == "draft" and rest:
+            model, n = rest, 4
+            head, sep, tail = rest.rpartition(":")
+            if sep and tail.isdigit():
+                model, n = head, int(tail)
+            return cls._checked({"model": model, "num_speculative_tokens": n})
+        raise UserError(
+            f"speculative_config {text!r} not understood",
+            hint='use "ngram", "ngram:N", "draft:MODEL[:N]" or a JSON object',
+        )
+
+    @classmethod
+    def _checked(cls, data: dict[str, Any]) -> SpeculativeConfig:
+        if data.get("method") is None and data.get("model") is None:
+            raise UserError("speculative_config needs a method or a draft model")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise UserError(describe_validation_error(exc, what="speculative_config")) from None
+
+    def as_vllm_json(self) -> str:
+        """The JSON object vLLM's ``--speculative-config`` takes."""
+        known = self.model_dump(exclude={"options"}, exclude_none=True)
+        return json.dumps({**self.options, **known}, sort_keys=True)
+
+
 class DeploymentSpec(_Model):
     """What the user asks for: ``llmctl deploy``/``plan`` options, validated."""
 
@@ -247,11 +352,39 @@ class DeploymentSpec(_Model):
     strategy: Strategy = Strategy.BINPACK
     engine: EngineKind = EngineKind.VLLM
     engine_args: dict[str, str | int | float | bool] = Field(default_factory=dict)
-    """Extra engine options (``max_num_seqs``, ``enable_prefix_caching``, ``lora_modules`` …)."""
+    """Extra engine options (``max_num_seqs``, ``enable_prefix_caching`` …)."""
+    lora_adapters: list[LoraAdapter] = Field(default_factory=list)
+    """LoRA adapters on the base model (vLLM's ``--enable-lora --lora-modules``)."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (vLLM's ``--speculative-config``); None turns it off."""
     source: str | None = None
     """Weights: a local directory or an http(s)/s3 URL with a sha256 manifest."""
     node_selector: dict[str, str] = Field(default_factory=dict)
     """Only nodes whose labels contain all these pairs."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _typed_engine_args(cls, data: Any) -> Any:
+        """Lift ``lora_modules``/``speculative_config`` engine args (``--engine-arg``, records written
+        before the typed fields existed) into ``lora_adapters``/``speculative``: the one place they are
+        parsed."""
+        if not isinstance(data, dict) or not isinstance(data.get("engine_args"), dict):
+            return data
+        args = dict(data["engine_args"])
+        lora = args.pop("lora_modules", None)
+        speculative = args.pop("speculative_config", None)
+        if lora is None and speculative is None:
+            return data
+        data = {**data, "engine_args": args}
+        if lora is not None:
+            if data.get("lora_adapters"):
+                raise UserError("LoRA adapters are given twice: as lora_modules and as lora_adapters")
+            data["lora_adapters"] = LoraAdapter.parse_list(str(lora))
+        if speculative is not None:
+            if data.get("speculative") is not None:
+                raise UserError("speculative decoding is given twice: as speculative_config and speculative")
+            data["speculative"] = SpeculativeConfig.parse(speculative)
+        return data
 
     @field_validator("engine_args")
     @classmethod
@@ -303,6 +436,21 @@ class ReplicaState(StrEnum):
     STOPPING = "stopping"
 
 
+class ProbePaths(_Model):
+    """Where an engine answers its probes, relative to the replica's endpoint; declared by the engine
+    (``EngineLaunch.probes``) and carried by its replica record. The defaults are vLLM's OpenAI server's,
+    which every engine kind Sarv runs serves (the simulator included)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    health: str = Field(default="/health", pattern=r"^/")
+    """Answers 200 while the server lives (vLLM's can answer before the model is loaded)."""
+    ready: str = Field(default="/v1/models", pattern=r"^/")
+    """Answers 200 only once the model is loaded: the model list, with each model's context length."""
+    metrics: str = Field(default="/metrics", pattern=r"^/")
+    """Prometheus text exposition of the engine's load (``engines.metrics`` parses it)."""
+
+
 class ReplicaRecord(_Model):
     """Observed state of one running replica; what the gateway routes to."""
 
@@ -323,6 +471,8 @@ class ReplicaRecord(_Model):
     """LoRA adapter names served by this replica (routable as models)."""
     capacity: float = Field(default=1.0, gt=0)
     """Relative throughput, used to normalise load across heterogeneous replicas."""
+    probes: ProbePaths = Field(default_factory=ProbePaths)
+    """The engine's health, readiness and metrics paths."""
     handle: dict[str, str] = Field(default_factory=dict)
     """Launcher bookkeeping (pid, unit name, log path …)."""
     message: str = ""

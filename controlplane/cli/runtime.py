@@ -20,14 +20,16 @@ from controlplane.spec import (
     Dtype,
     EngineKind,
     Fleet,
+    LoraAdapter,
     ModelSpec,
     Plan,
     Quantization,
     ReplicaRecord,
+    SpeculativeConfig,
 )
 
 if TYPE_CHECKING:
-    from controlplane.controller import Deployer
+    from controlplane.controller import Deployer, Observation
 
 __all__ = ["register", "status_document"]
 
@@ -141,13 +143,12 @@ def _age(ts: float, now: float) -> str:
 
 def status_document(deployer: Deployer) -> dict[str, Any]:
     """The JSON contract of ``llmctl status -o json``: deployments, each with its replicas."""
-    replicas = deployer.refresh()
-    by_dep: dict[str, list[ReplicaRecord]] = {}
-    for r in replicas:
-        by_dep.setdefault(r.deployment, []).append(r)
+    by_dep: dict[str, list[Observation]] = {}
+    for o in deployer.observe():
+        by_dep.setdefault(o.record.deployment, []).append(o)
     deployments = []
     for d in deployer.store.list_deployments():
-        reps = sorted(by_dep.pop(d.name, []), key=lambda r: r.index)
+        reps = sorted(by_dep.pop(d.name, []), key=lambda o: o.record.index)
         deployments.append(
             {
                 "name": d.name,
@@ -166,7 +167,8 @@ def status_document(deployer: Deployer) -> dict[str, Any]:
     return {"deployments": deployments}
 
 
-def _replica_doc(r: ReplicaRecord) -> dict[str, Any]:
+def _replica_doc(o: Observation) -> dict[str, Any]:
+    r = o.record
     return {
         "id": r.id,
         "index": r.index,
@@ -182,6 +184,8 @@ def _replica_doc(r: ReplicaRecord) -> dict[str, Any]:
         "pid": int(r.handle["pid"]) if r.handle.get("pid", "").isdigit() else None,
         "log": r.handle.get("log"),
         "message": r.message,
+        # This look's probe; the health rule alone decides whether it changes ``state``.
+        "probe": None if o.probed is None else {"path": o.probed, "ok": o.error is None, "error": o.error},
         "created_at": r.created_at,
         "updated_at": r.updated_at,
     }
@@ -205,6 +209,9 @@ def _status_rows(doc: dict[str, Any], now: float) -> list[list[str]]:
             else:
                 gpus = ",".join(map(str, r["gpus"])) or "cpu"
             state = r["state"] + (f" ({r['message']})" if r["message"] else "")
+            probe = r["probe"]
+            if probe is not None and not probe["ok"]:
+                state += f" [{probe['path']}: {probe['error']}]"
             rows.append(
                 [d["name"], r["id"], r["node"], gpus, state, r["endpoint"] or "-", _age(r["created_at"], now)]
             )
@@ -267,12 +274,12 @@ def register(app: typer.Typer) -> None:
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("enable_prefix_caching", enable_prefix_caching),
-            ("speculative_config", speculative_config),
         ):
             if value is not None:
                 args[key] = value
-        if lora_module:
-            args["lora_modules"] = ",".join(lora_module)
+        # --engine-arg lora-modules=… / speculative-config=… are lifted into these by DeploymentSpec.
+        adapters = [a for m in lora_module or [] for a in LoraAdapter.parse_list(m)]
+        speculative = SpeculativeConfig.parse(speculative_config) if speculative_config is not None else None
         with ui.progress() as bar, _deployer(inventory, progress=bar.update) as deployer:
             kind = EngineKind(engine.value) if engine is not EngineChoice.AUTO else None
             if kind is None:
@@ -295,6 +302,8 @@ def register(app: typer.Typer) -> None:
                 gpu_memory_utilization=gpu_memory_utilization,
                 engine=kind,
                 engine_args=args,
+                lora_adapters=adapters,
+                speculative=speculative,
                 source=source,
             )
             result = deployer.deploy(spec, wait=wait, timeout=timeout, port=port)

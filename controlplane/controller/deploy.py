@@ -10,7 +10,8 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from controlplane.engines.base import Engine, ReplicaContext, check_engine_args, lora_adapter_names
+from controlplane.controller.health import PROBED_STATES, HealthRule, judge, probe_path
+from controlplane.engines.base import Engine, ReplicaContext, check_engine_args
 from controlplane.errors import LaunchError, NotFoundError, PlacementError, SarvError, UserError, WeightsError
 from controlplane.launchers.base import Launcher, ProcessState
 from controlplane.launchers.local import LocalLauncher
@@ -32,7 +33,7 @@ from controlplane.state.base import StateStore
 from controlplane.weights import WeightsPolicy
 from controlplane.weights.tiny import TINY_MODEL_NAME
 
-__all__ = ["DeployResult", "Deployer", "ModelCatalog", "Planner", "default_engines"]
+__all__ = ["DeployResult", "Deployer", "ModelCatalog", "Observation", "Planner", "default_engines"]
 
 Progress = Callable[[str, str], None]
 """``(key, description)``: one line of progress per key (a replica, the weights …)."""
@@ -40,8 +41,6 @@ Planner = Callable[[Fleet, DeploymentSpec, ModelSpec, list[ReplicaRecord]], Plan
 LauncherFactory = Callable[[Node], Launcher]
 GroupLauncherFactory = Callable[[list[Node]], Launcher]
 """Launcher for one replica whose pipeline stages span these nodes (pp rank order): Ray."""
-
-_READY_PATH = "/v1/models"
 
 
 class ModelCatalog(Protocol):
@@ -78,21 +77,34 @@ def _policy(spec: DeploymentSpec) -> WeightsPolicy:
     )
 
 
-def _http_ready(url: str, api_key: SecretStr | None, timeout: float = 2.0) -> bool:
+def _http_check(url: str, api_key: SecretStr | None, timeout: float = 2.0) -> str | None:
+    """None when ``url`` answers 200, else why not."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key.get_secret_value()}"} if api_key else {}
     try:
-        return httpx.get(url, headers=headers, timeout=timeout).status_code == 200
-    except httpx.HTTPError:
-        return False
+        code = httpx.get(url, headers=headers, timeout=timeout).status_code
+    except httpx.HTTPError as exc:
+        text = str(exc).strip()
+        return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return None if code == 200 else f"HTTP {code}"
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One replica as :meth:`Deployer.observe` saw it: its record (after the health rule) and the probe."""
+
+    record: ReplicaRecord
+    probed: str | None = None
+    """The path probed; None when nothing was (not running here, or in a state with nothing to probe)."""
+    error: str | None = None
+    """Why the probe failed; None when it passed (or nothing was probed)."""
 
 
 @dataclass
 class _Launched:
     record: ReplicaRecord
     launcher: Launcher
-    ready_path: str
     last_said: int = -1
 
 
@@ -224,7 +236,7 @@ class Deployer:
             for r in current:
                 launcher = self._launcher_for_record(r)
                 if r.state is ReplicaState.STARTING and launcher is not None:
-                    loading.append(_Launched(r, launcher, _READY_PATH))
+                    loading.append(_Launched(r, launcher))
             running = ready | {item.record.index for item in loading}
             plan = previous.plan
             todo = [i for i in range(spec.replicas) if i not in running]
@@ -317,13 +329,14 @@ class Deployer:
                 node=shard0.node,
                 endpoint=f"http://{launcher.host}:{chosen}",
                 state=ReplicaState.STARTING,
-                adapters=lora_adapter_names(spec),
+                adapters=[a.name for a in spec.lora_adapters],
+                probes=launch.probes,
                 created_at=now,
                 updated_at=now,
             )
             self._say(replica_id, f"{replica_id}: starting {spec.engine.value} on {shard0.node}:{chosen}")
             rec.handle = launcher.start(replica_id, launch)
-            launched.append(_Launched(rec, launcher, launch.ready_path))
+            launched.append(_Launched(rec, launcher))
             self.store.put_replica(rec)
 
     def _gpu_ids(self, shard: Shard) -> list[str]:
@@ -352,7 +365,7 @@ class Deployer:
                         f"replica {rec.id} exited{code} during start-up: {last}",
                         hint=f"full log: {log}" if log else None,
                     )
-                if _http_ready(f"{rec.endpoint}{item.ready_path}", self.api_key):
+                if _http_check(f"{rec.endpoint}{rec.probes.ready}", self.api_key) is None:
                     rec.state = ReplicaState.READY
                     rec.updated_at = self.clock()
                     rec.message = ""
@@ -401,30 +414,47 @@ class Deployer:
 
     # --- observe, undeploy, logs
 
-    def refresh(self, deployment: str | None = None) -> list[ReplicaRecord]:
-        """Update replicas' observed state from their processes and health endpoints; return them."""
-        out: list[ReplicaRecord] = []
+    def refresh(
+        self, deployment: str | None = None, *, rule: HealthRule | None = None
+    ) -> list[ReplicaRecord]:
+        """Update replicas' observed state from their processes and probes; return them."""
+        return [o.record for o in self.observe(deployment, rule=rule)]
+
+    def observe(self, deployment: str | None = None, *, rule: HealthRule | None = None) -> list[Observation]:
+        """Poll each replica this host can reach and probe it once, recording what that proves.
+
+        A process that is gone makes its replica ``failed``. A probe goes through the controller's health
+        rule (``rule``; default: the controller's default thresholds) from an empty streak: one look can
+        take a loading replica to ``ready`` but never a ready one to ``unhealthy`` unless a single failure
+        is the threshold. The probe's outcome is returned either way.
+        """
+        rule = rule or HealthRule()
+        out: list[Observation] = []
         for rec in self.store.list_replicas(deployment):
             launcher = self._launcher_for_record(rec)
             if launcher is None or rec.state is ReplicaState.STOPPING:
-                out.append(rec)
+                out.append(Observation(rec))
                 continue
             proc = launcher.poll(rec.handle) if rec.handle else None
-            new_state, message = rec.state, rec.message
+            new_state: ReplicaState = rec.state
+            message = rec.message
+            path: str | None = None
+            error: str | None = None
             if proc is None or proc.state is not ProcessState.RUNNING:
                 new_state = ReplicaState.FAILED
                 code = f" (exit code {proc.exit_code})" if proc and proc.exit_code is not None else ""
                 message = f"process {rec.handle.get('pid', '?')} is not running{code}"
-            elif rec.endpoint and _http_ready(f"{rec.endpoint}/health", self.api_key):
-                new_state, message = ReplicaState.READY, ""
-                if proc.restarts:
+            elif rec.endpoint and rec.state in PROBED_STATES:
+                path = probe_path(rec)
+                error = _http_check(f"{rec.endpoint}{path}", self.api_key)
+                verdict = judge(rule, rec.state, rec.message, ok=error is None, error=error or "")
+                new_state, message = verdict.state, verdict.message
+                if error is None and new_state is ReplicaState.READY and proc.restarts:
                     message = f"restarted {proc.restarts}× after crashes (last exit code {proc.exit_code})"
-            elif rec.state is ReplicaState.READY:
-                new_state, message = ReplicaState.UNHEALTHY, "health check failed"
             if (new_state, message) != (rec.state, rec.message):
                 rec.state, rec.message, rec.updated_at = new_state, message, self.clock()
                 self.store.put_replica(rec)
-            out.append(rec)
+            out.append(Observation(rec, path, error))
         return out
 
     def undeploy(self, name: str) -> list[str]:

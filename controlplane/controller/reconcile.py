@@ -21,6 +21,8 @@ from controlplane.controller.autoscale import (
     ReplicaLoad,
     decide,
 )
+from controlplane.controller.health import PROBED_STATES, HealthRule, Streak, judge, probe_path
+from controlplane.engines.metrics import parse_vllm_metrics
 from controlplane.errors import ConfigError, SarvError, describe_validation_error
 from controlplane.spec import DeploymentRecord, ReplicaRecord, ReplicaState
 
@@ -45,12 +47,7 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-_PROBED = frozenset({ReplicaState.STARTING, ReplicaState.READY, ReplicaState.UNHEALTHY})
-# vLLM's /health can answer before the model is loaded; /v1/models answers only once it is.
-_HEALTH_PATH = "/health"
-_READY_PATH = "/v1/models"
-_METRICS_PATH = "/metrics"
-_LOAD_SERIES = ("vllm:num_requests_waiting", "vllm:num_requests_running")
+_DEFAULT_RULE = HealthRule()
 
 
 class ControllerConfig(BaseModel):
@@ -62,9 +59,9 @@ class ControllerConfig(BaseModel):
     """Seconds between the starts of two passes."""
     probe_timeout_s: float = Field(default=2.0, gt=0, le=60)
     """Limit of one replica's probe (health and metrics together)."""
-    failure_threshold: int = Field(default=3, ge=1, le=100)
+    failure_threshold: int = Field(default=_DEFAULT_RULE.failure_threshold, ge=1, le=100)
     """Consecutive failed health checks before a ready replica is marked unhealthy."""
-    success_threshold: int = Field(default=1, ge=1, le=100)
+    success_threshold: int = Field(default=_DEFAULT_RULE.success_threshold, ge=1, le=100)
     """Consecutive passed health checks before an unhealthy replica is ready again."""
     slow_loop_s: float | None = Field(default=None, gt=0)
     """A pass taking longer is logged as slow; None means ``period_s``."""
@@ -79,6 +76,10 @@ class ControllerConfig(BaseModel):
 
     def policy_for(self, deployment: str) -> AutoscaleConfig:
         return self.deployments.get(deployment, self.autoscale)
+
+    @property
+    def health_rule(self) -> HealthRule:
+        return HealthRule(failure_threshold=self.failure_threshold, success_threshold=self.success_threshold)
 
 
 def load_controller_config(path: Path | None, **overrides: object) -> ControllerConfig:
@@ -191,22 +192,6 @@ class PassReport:
     seconds: float = 0.0
 
 
-def _ongoing(text: str) -> float:
-    """Sum of vLLM's waiting and running request gauges over every label set (all served models)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0.0
-    seen = False
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in _LOAD_SERIES:
-                total += sample.value
-                seen = True
-    if not seen:
-        raise ValueError("no vllm:num_requests_waiting/running series")
-    return total
-
-
 @dataclass
 class Reconciler:
     """One controller. Every dependency is injected: store, HTTP client, lease, clocks and metrics.
@@ -227,8 +212,7 @@ class Reconciler:
     """Wall clock for ``updated_at``."""
     monotonic: Callable[[], float] = time.monotonic
     """Clock of the autoscaling delays and of phase durations."""
-    _failures: dict[str, int] = field(default_factory=dict)
-    _successes: dict[str, int] = field(default_factory=dict)
+    _streaks: dict[str, Streak] = field(default_factory=dict)
     _policy: dict[str, PolicyState] = field(default_factory=dict)
     _was_leader: bool = False
 
@@ -249,8 +233,7 @@ class Reconciler:
 
     def _forget(self) -> None:
         """Drop what only the acting controller may trust: streaks and policy runs restart from zero."""
-        self._failures.clear()
-        self._successes.clear()
+        self._streaks.clear()
         self._policy.clear()
 
     # --- one pass
@@ -337,7 +320,7 @@ class Reconciler:
     # --- probe
 
     async def _probe_all(self, replicas: list[ReplicaRecord]) -> dict[str, ProbeResult]:
-        todo = [r for r in replicas if r.state in _PROBED and r.endpoint]
+        todo = [r for r in replicas if r.state in PROBED_STATES and r.endpoint]
         results = await asyncio.gather(*(self._bounded(self._probe(r), r.id) for r in todo))
         return {p.replica_id: p for p in results}
 
@@ -357,41 +340,39 @@ class Reconciler:
         if loading and self.api_key is not None:
             headers["Authorization"] = f"Bearer {self.api_key.get_secret_value()}"
         try:
-            resp = await self.client.get(base + (_READY_PATH if loading else _HEALTH_PATH), headers=headers)
+            resp = await self.client.get(base + probe_path(rec), headers=headers)
         except httpx.HTTPError as exc:
             return ProbeResult(rec.id, ok=False, error=_describe(exc))
         if resp.status_code != 200:
             return ProbeResult(rec.id, ok=False, error=f"HTTP {resp.status_code}")
         if loading:
             return ProbeResult(rec.id, ok=True)
+        # Health passed: a replica is not unhealthy for want of metrics; the autoscaler holds instead.
+        ongoing = None
         try:
-            metrics = await self.client.get(base + _METRICS_PATH)
-            ongoing = _ongoing(metrics.text) if metrics.status_code == 200 else None
-        except (httpx.HTTPError, ValueError) as exc:
-            # Health passed: a replica is not unhealthy for want of metrics; the autoscaler holds instead.
+            metrics = await self.client.get(base + rec.probes.metrics)
+        except httpx.HTTPError as exc:
             logger.debug("replica %s: metrics unreadable: %s", rec.id, exc)
-            ongoing = None
+        else:
+            load = parse_vllm_metrics(metrics.text) if metrics.status_code == 200 else None
+            ongoing = load.ongoing if load is not None else None
+            if ongoing is None:
+                logger.debug("replica %s: no request gauges on %s", rec.id, rec.probes.metrics)
         return ProbeResult(rec.id, ok=True, ongoing=ongoing)
 
     # --- update
 
     def _next_state(self, rec: ReplicaRecord, probe: ProbeResult) -> tuple[ReplicaState, str]:
-        rid = rec.id
-        if probe.ok:
-            self._failures.pop(rid, None)
-            self._successes[rid] = self._successes.get(rid, 0) + 1
-            if rec.state is ReplicaState.STARTING:
-                return ReplicaState.READY, ""
-            if rec.state is ReplicaState.UNHEALTHY and self._successes[rid] >= self.config.success_threshold:
-                return ReplicaState.READY, ""
-            return rec.state, rec.message
-        self._successes.pop(rid, None)
-        if rec.state is ReplicaState.STARTING:
-            return rec.state, rec.message  # still loading: the deployer's timeout judges that, not health
-        failures = self._failures[rid] = self._failures.get(rid, 0) + 1
-        if rec.state is ReplicaState.READY and failures >= self.config.failure_threshold:
-            return ReplicaState.UNHEALTHY, f"health check failed {failures} times in a row: {probe.error}"
-        return rec.state, rec.message
+        verdict = judge(
+            self.config.health_rule,
+            rec.state,
+            rec.message,
+            ok=probe.ok,
+            error=probe.error,
+            streak=self._streaks.get(rec.id, Streak()),
+        )
+        self._streaks[rec.id] = verdict.streak
+        return verdict.state, verdict.message
 
     def _update(
         self, replicas: list[ReplicaRecord], probes: dict[str, ProbeResult], report: PassReport
@@ -421,9 +402,8 @@ class Reconciler:
             log("replica %s: %s -> %s %s", rec.id, rec.state.value, state.value, message)
             out.append(new)
         known = {r.id for r in replicas}
-        for counts in (self._failures, self._successes):
-            for rid in [k for k in counts if k not in known]:
-                del counts[rid]
+        for rid in [k for k in self._streaks if k not in known]:
+            del self._streaks[rid]
         return out
 
     # --- autoscale

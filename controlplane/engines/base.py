@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from controlplane.errors import UserError
-from controlplane.spec import DeploymentSpec, EngineKind, Shard
+from controlplane.spec import DeploymentSpec, EngineKind, ProbePaths, Shard
 
 __all__ = [
     "SARV_ENGINE_ARGS",
     "Engine",
     "EngineLaunch",
     "ReplicaContext",
+    "check_engine_args",
     "vllm_server_args",
 ]
 
@@ -37,8 +37,6 @@ _MANAGED_ARGS = frozenset(
         "quantization",
         "kv_cache_dtype",
         "dtype",
-        "lora_modules",
-        "speculative_config",
         "trust_remote_code",
     }
 )
@@ -82,10 +80,8 @@ class EngineLaunch(BaseModel):
     """Secret environment: exported to a process, or written to ``env_file`` (0600) for a container."""
     port: int = Field(ge=1, le=65535)
     """Port the API server listens on, on the node's address."""
-    health_path: str = "/health"
-    ready_path: str = "/v1/models"
-    """Answers 200 only once the model is loaded (vLLM's ``/health`` can answer earlier)."""
-    metrics_path: str = "/metrics"
+    probes: ProbePaths = Field(default_factory=ProbePaths)
+    """Health, readiness and metrics paths; the deployer copies them into the replica record."""
     container_name: str | None = None
     """For container engines: the name ``docker stop``/``docker logs`` address."""
 
@@ -107,48 +103,6 @@ class Engine(Protocol):
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def _speculative(value: str | int | float | bool) -> str:
-    """``ngram[:N]``, ``draft:MODEL_DIR[:N]`` or a JSON object, as vLLM's ``--speculative-config`` JSON."""
-    text = str(value)
-    if text.startswith("{"):
-        try:
-            obj = json.loads(text)
-        except ValueError as exc:
-            raise UserError(f"speculative_config is not valid JSON: {exc}") from None
-        if not isinstance(obj, dict):
-            raise UserError("speculative_config must be a JSON object")
-        return json.dumps(obj, sort_keys=True)
-    kind, _, rest = text.partition(":")
-    if kind == "ngram":
-        n = int(rest) if rest.isdigit() else 4
-        return json.dumps({"method": "ngram", "num_speculative_tokens": n, "prompt_lookup_max": 4})
-    if kind == "draft" and rest:
-        model, n = rest, 4
-        head, sep, tail = rest.rpartition(":")
-        if sep and tail.isdigit():
-            model, n = head, int(tail)
-        return json.dumps({"model": model, "num_speculative_tokens": n})
-    raise UserError(
-        f"speculative_config {text!r} not understood",
-        hint='use "ngram", "ngram:N", "draft:MODEL[:N]" or a JSON object',
-    )
-
-
-def _lora_modules(value: str | int | float | bool) -> list[str]:
-    """``name=path,name2=path2`` → ``--lora-modules name=path name2=path2`` (several adapters, one base)."""
-    mods = [m.strip() for m in str(value).split(",") if m.strip()]
-    for m in mods:
-        name, eq, path = m.partition("=")
-        if not eq or not name or not path:
-            raise UserError(f"lora_modules entry {m!r} must be NAME=PATH")
-    return mods
-
-
-def lora_adapter_names(spec: DeploymentSpec) -> list[str]:
-    value = spec.engine_args.get("lora_modules")
-    return [m.partition("=")[0] for m in _lora_modules(value)] if value else []
 
 
 def vllm_server_args(ctx: ReplicaContext, *, model_path: str, host: str, port: int) -> list[str]:
@@ -183,10 +137,10 @@ def vllm_server_args(ctx: ReplicaContext, *, model_path: str, host: str, port: i
     extra = spec.engine_args
     if extra.get("trust_remote_code") is True:
         args.append("--trust-remote-code")
-    if extra.get("lora_modules"):
-        args += ["--enable-lora", "--lora-modules", *_lora_modules(extra["lora_modules"])]
-    if extra.get("speculative_config"):
-        args += ["--speculative-config", _speculative(extra["speculative_config"])]
+    if spec.lora_adapters:
+        args += ["--enable-lora", "--lora-modules", *(a.as_module() for a in spec.lora_adapters)]
+    if spec.speculative is not None:
+        args += ["--speculative-config", spec.speculative.as_vllm_json()]
     for key, value in sorted(extra.items()):
         if key in _MANAGED_ARGS or key in SARV_ENGINE_ARGS or key == "enable_lora":
             continue
@@ -216,7 +170,7 @@ def check_engine_args(spec: DeploymentSpec) -> None:
     for key in spec.engine_args:
         if key in instead:
             raise UserError(f"engine option {key} is set by Sarv; use {instead[key]} instead")
-    if "speculative_config" in spec.engine_args:
-        _speculative(spec.engine_args["speculative_config"])
-    if "lora_modules" in spec.engine_args:
-        _lora_modules(spec.engine_args["lora_modules"])
+    if spec.engine in {EngineKind.VLLM, EngineKind.VLLM_CPU}:
+        for adapter in spec.lora_adapters:
+            if adapter.source is None:
+                raise UserError(f"LoRA adapter {adapter.name!r} has no weights: give it as NAME=PATH")

@@ -39,11 +39,12 @@ class SimEngine:
             if key in SARV_ENGINE_ARGS:
                 continue
             flag = "--" + key.replace("_", "-")
-            if key == "lora_modules":
-                argv += [flag, *[m.strip() for m in str(value).split(",") if m.strip()]]
-            elif isinstance(value, bool):
+            if isinstance(value, bool):
                 argv.append(flag if value else "--no-" + key.replace("_", "-"))
             else:
                 argv += [flag, str(value)]
+        # Adapters are served by name; the simulator has no speculative decoding to configure.
+        if ctx.spec.lora_adapters:
+            argv += ["--lora-modules", *(a.as_module() for a in ctx.spec.lora_adapters)]
         secret_env = {"VLLM_API_KEY": ctx.api_key} if ctx.api_key is not None else {}
         return EngineLaunch(argv=argv, env={"SARV_SIM": "1"}, secret_env=secret_env, port=ctx.port)

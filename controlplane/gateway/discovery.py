@@ -9,44 +9,18 @@ from collections.abc import Callable
 
 import aiohttp
 
+from controlplane.engines.metrics import parse_vllm_metrics
 from controlplane.errors import StateError
 from controlplane.gateway.metrics import GatewayMetrics
 from controlplane.gateway.routing import ReplicaView, Router
-from controlplane.spec import ReplicaState
+from controlplane.spec import ProbePaths, ReplicaState
 from controlplane.state.base import StateStore
 
-__all__ = ["Discovery", "parse_vllm_load"]
+__all__ = ["Discovery"]
 
 logger = logging.getLogger(__name__)
 
-_WAITING = "vllm:num_requests_waiting"
-_RUNNING = "vllm:num_requests_running"
-# vLLM ≥ 0.10 exports kv_cache_usage_perc; older releases gpu_cache_usage_perc (same meaning).
-_KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-
-
-def parse_vllm_load(text: str) -> tuple[float, float, float] | None:
-    """(waiting, running, kv usage) summed/maxed over a vLLM ``/metrics`` page; None when absent."""
-    waiting = running = kv = 0.0
-    seen = False
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name, _, _ = line.partition("{") if "{" in line else line.partition(" ")
-        try:
-            value = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        if name == _WAITING:
-            waiting += value
-            seen = True
-        elif name == _RUNNING:
-            running += value
-            seen = True
-        elif name in _KV:
-            kv = max(kv, value)
-            seen = True
-    return (waiting, running, kv) if seen else None
+_DEFAULT_PROBES = ProbePaths()
 
 
 class Discovery:
@@ -67,6 +41,8 @@ class Discovery:
         self._metrics = metrics
         self._now = monotonic
         self._revision: int | None = None
+        self._probes: dict[str, ProbePaths] = {}
+        """Each routed replica's engine paths, from its record."""
         self.store_ok = False
         self._tried = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -93,6 +69,7 @@ class Discovery:
         finally:
             self._tried = True
         ready = [r for r in records if r.state is ReplicaState.READY and r.endpoint]
+        self._probes = {r.id: r.probes for r in ready}
         new = self._router.set_replicas(ready)
         self._revision = rev
         counts: dict[str, int] = {}
@@ -104,17 +81,19 @@ class Discovery:
             logger.info("replicas now: %s", ", ".join(sorted(v.id for v in self._router.replicas)))
             await asyncio.gather(*(self._learn_context(v) for v in new))
 
+    def _paths(self, view: ReplicaView) -> ProbePaths:
+        return self._probes.get(view.id, _DEFAULT_PROBES)
+
     async def _learn_context(self, view: ReplicaView) -> None:
-        # vLLM's /v1/models reports max_model_len; the gateway checks prompts against it.
+        # The ready path is the model list; its cards report max_model_len, which prompts are checked against.
+        url = view.endpoint + self._paths(view).ready
         try:
-            async with self._session.get(
-                f"{view.endpoint}/v1/models", timeout=aiohttp.ClientTimeout(total=2.0)
-            ) as resp:
+            async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
                 if resp.status != 200:
                     return
                 data = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            logger.debug("cannot read %s/v1/models: %s", view.endpoint, exc)
+            logger.debug("cannot read %s: %s", url, exc)
             return
         for card in data.get("data", []) if isinstance(data, dict) else []:
             if isinstance(card, dict) and isinstance(card.get("max_model_len"), int):
@@ -124,16 +103,21 @@ class Discovery:
     async def scrape(self, view: ReplicaView, timeout: float) -> None:
         try:
             async with self._session.get(
-                f"{view.endpoint}/metrics", timeout=aiohttp.ClientTimeout(total=timeout)
+                view.endpoint + self._paths(view).metrics, timeout=aiohttp.ClientTimeout(total=timeout)
             ) as resp:
                 if resp.status != 200:
                     return
                 text = await resp.text()
         except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
             return  # stale metrics are ignored by the router; nothing else to do
-        load = parse_vllm_load(text)
+        load = parse_vllm_metrics(text)
         if load is not None:
-            self._router.observe(view.id, waiting=load[0], running=load[1], kv=load[2])
+            self._router.observe(
+                view.id,
+                waiting=load.waiting or 0.0,
+                running=load.running or 0.0,
+                kv=load.kv_cache_usage or 0.0,
+            )
 
     async def _discover_loop(self, interval: float) -> None:
         while True:

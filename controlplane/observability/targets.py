@@ -32,6 +32,8 @@ SCRAPED_STATES = frozenset({ReplicaState.STARTING, ReplicaState.READY, ReplicaSt
 """States whose replicas have a listening engine worth scraping; unhealthy ones stay to show why."""
 
 _LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+_PROMETHEUS_METRICS_PATH = "/metrics"
+"""The path Prometheus scrapes when a target sets no ``__metrics_path__`` (its own default)."""
 
 
 class TargetGroup(BaseModel):
@@ -66,7 +68,9 @@ def _target(replica: ReplicaRecord) -> tuple[str, dict[str, str]] | None:
     meta: dict[str, str] = {}
     if url.scheme == "https":
         meta["__scheme__"] = "https"
-    # vLLM serves /metrics at the root even when the API lives under a prefix.
+    # The engine's metrics path is relative to the host's root, whatever the endpoint's path.
+    if replica.probes.metrics != _PROMETHEUS_METRICS_PATH:
+        meta["__metrics_path__"] = replica.probes.metrics
     return f"{host}:{port}", meta
 
 

@@ -9,8 +9,8 @@ import pytest
 from fixtures.common import free_port
 from fixtures.gateway import add_key, add_replica, make_store, wait_for
 
+from controlplane.engines.metrics import parse_vllm_metrics
 from controlplane.gateway.config import RoutingConfig, RoutingPolicy
-from controlplane.gateway.discovery import parse_vllm_load
 from controlplane.gateway.routing import Router
 from controlplane.gateway.tokens import chain_hashes
 from controlplane.spec import EngineKind, ReplicaRecord, ReplicaState
@@ -137,8 +137,10 @@ def test_parse_vllm_metrics():
         'vllm:num_requests_running{engine="0",model_name="m"} 5.0\n'
         'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
     )
-    assert parse_vllm_load(text) == (3.0, 5.0, 0.25)
-    assert parse_vllm_load("foo 1\n") is None
+    load = parse_vllm_metrics(text)
+    assert load is not None
+    assert (load.waiting, load.running, load.kv_cache_usage) == (3.0, 5.0, 0.25)
+    assert parse_vllm_metrics("foo 1\n") is None
 
 
 @pytest.fixture
@@ -162,9 +164,9 @@ def two_sims(tmp_path, sim_server, gateway_factory):
 
 def _running(url: str) -> float:
     text = httpx.get(f"{url}/metrics").text
-    load = parse_vllm_load(text)
-    assert load is not None
-    return load[1]
+    load = parse_vllm_metrics(text)
+    assert load is not None and load.running is not None
+    return load.running
 
 
 def test_client_disconnect_cancels_the_upstream_request(two_sims):

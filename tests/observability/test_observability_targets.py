@@ -16,7 +16,7 @@ import pytest
 
 from controlplane.errors import StateError
 from controlplane.observability import replica_target_groups, write_file_sd, write_replica_targets
-from controlplane.spec import EngineKind, ReplicaRecord, ReplicaState
+from controlplane.spec import EngineKind, ProbePaths, ReplicaRecord, ReplicaState
 
 
 def _replica(index: int, endpoint: str | None, state: ReplicaState = ReplicaState.READY) -> ReplicaRecord:
@@ -53,6 +53,14 @@ def test_groups_only_for_listening_replicas_sorted_and_labelled() -> None:
     assert "__scheme__" not in groups[1].labels
     # vLLM's own series labels must not be shadowed by target labels.
     assert not {"model_name", "engine"} & set(groups[1].labels)
+
+
+def test_an_engine_metrics_path_becomes_the_scrape_path() -> None:
+    default, custom = _replica(0, "http://10.0.0.5:8100"), _replica(1, "http://10.0.0.5:8101")
+    custom.probes = ProbePaths(metrics="/engine/metrics")
+    groups = replica_target_groups([default, custom])
+    assert "__metrics_path__" not in groups[0].labels  # Prometheus's default is the engine's path
+    assert groups[1].labels["__metrics_path__"] == "/engine/metrics"
 
 
 def test_bad_endpoint_is_a_state_error() -> None:

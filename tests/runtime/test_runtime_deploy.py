@@ -224,6 +224,35 @@ def test_bad_engine_arg(env: LlmctlEnv) -> None:
     _assert_nothing_left(env)
 
 
+def test_engine_arg_forms_of_adapters_and_speculative_config_deploy_as_typed_fields(env: LlmctlEnv) -> None:
+    from controlplane.spec import LoraAdapter, SpeculativeConfig
+    from controlplane.state import open_store
+
+    args = ("deploy", "sarv-tiny", "--engine", "sim", "--engine-arg", "lora-modules=a1,a2")
+    twice = env.llmctl(*args, "--lora-module", "a3")
+    assert twice.returncode == 2
+    assert twice.stderr.strip().splitlines() == [
+        "error: LoRA adapters are given twice: as lora_modules and as lora_adapters"
+    ]
+    bad = env.llmctl(*args, "--engine-arg", "speculative-config=ngram:x")
+    assert bad.returncode == 2
+    assert "speculative_config 'ngram:x' not understood" in bad.stderr
+    _assert_nothing_left(env)
+    # The simulator serves the adapters by name and has no speculative decoding to configure.
+    env.llmctl(*args, "--engine-arg", "speculative-config=ngram:3", check=True)
+    [dep] = env.status()["deployments"]
+    assert dep["replicas"][0]["adapters"] == ["a1", "a2"]
+    store = open_store(env.env["SARV_STATE_URL"])
+    try:
+        record = store.get_deployment("sarv-tiny")
+    finally:
+        store.close()
+    assert record is not None
+    assert record.spec.lora_adapters == [LoraAdapter(name="a1"), LoraAdapter(name="a2")]
+    assert record.spec.speculative == SpeculativeConfig.parse("ngram:3")
+    assert record.spec.engine_args == {}
+
+
 def test_deploy_after_no_wait_awaits_the_loading_replica_instead_of_restarting_it(env: LlmctlEnv) -> None:
     args = ("deploy", "sarv-tiny", "--engine", "sim", "--engine-arg", "slow_start_s=4")
     first = json.loads(env.llmctl(*args, "--no-wait", "-o", "json", check=True).stdout)

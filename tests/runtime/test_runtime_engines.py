@@ -13,7 +13,15 @@ from controlplane.engines.sim import SimEngine
 from controlplane.engines.vllm import VllmEngine
 from controlplane.engines.vllm_cpu import VllmCpuEngine, omp_threads_bind
 from controlplane.errors import LaunchError, UserError
-from controlplane.spec import DeploymentSpec, EngineKind, Quantization, Shard
+from controlplane.spec import (
+    DeploymentSpec,
+    EngineKind,
+    LoraAdapter,
+    ProbePaths,
+    Quantization,
+    Shard,
+    SpeculativeConfig,
+)
 
 
 def _ctx(**spec_kw: object) -> ReplicaContext:
@@ -118,9 +126,8 @@ def test_speculative_draft_model() -> None:
     ],
 )
 def test_bad_engine_options_are_user_errors(args: dict[str, str | int], needle: str) -> None:
-    spec = DeploymentSpec(name="x", model="m", engine_args=args)
     with pytest.raises(UserError, match=needle):
-        check_engine_args(spec)
+        check_engine_args(DeploymentSpec(name="x", model="m", engine_args=args))
 
 
 def test_vllm_refuses_a_replica_spanning_nodes() -> None:
@@ -174,3 +181,77 @@ def test_sim_command_passes_simulator_options() -> None:
     assert launch.argv[i + 1 : i + 3] == ["a1", "a2"]
     assert "--no-enable-prefix-caching" in launch.argv
     assert SimEngine().needs_weights is False
+
+
+def test_typed_adapters_and_speculative_config_build_the_vllm_flags() -> None:
+    ctx = _ctx(
+        tp=2,
+        lora_adapters=[LoraAdapter(name="sql", source="/srv/lora/sql")],
+        speculative=SpeculativeConfig(
+            method="eagle",
+            model="/m/eagle",
+            num_speculative_tokens=2,
+            options={"draft_tensor_parallel_size": 1},
+        ),
+    )
+    argv = VllmEngine(image="i").build(ctx).argv
+    i = argv.index("--lora-modules")
+    assert argv[i - 1 : i + 2] == ["--enable-lora", "--lora-modules", "sql=/srv/lora/sql"]
+    cfg = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert cfg == {
+        "method": "eagle",
+        "model": "/m/eagle",
+        "num_speculative_tokens": 2,
+        "draft_tensor_parallel_size": 1,
+    }
+
+
+def test_engine_arg_forms_become_typed_fields_once() -> None:
+    spec = DeploymentSpec(
+        name="x",
+        model="m",
+        engine_args={
+            "lora_modules": "sql=/srv/lora/sql, chat",
+            "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}',
+            "max_num_seqs": 8,
+        },
+    )
+    assert spec.engine_args == {"max_num_seqs": 8}
+    assert spec.lora_adapters == [LoraAdapter(name="sql", source="/srv/lora/sql"), LoraAdapter(name="chat")]
+    assert spec.speculative == SpeculativeConfig(
+        method="ngram", num_speculative_tokens=3, options={"prompt_lookup_min": 2}
+    )
+    # A stored record reads back as the same spec, so a repeated deploy is not a conflict.
+    assert DeploymentSpec.model_validate(spec.model_dump(mode="json")) == spec
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"engine_args": {"lora_modules": "a=/p"}, "lora_adapters": [{"name": "b"}]}, "given twice"),
+        ({"engine_args": {"lora_modules": "a=/p,a=/q"}}, "'a' is given twice"),
+        ({"engine_args": {"lora_modules": "a="}}, "NAME=PATH"),
+        ({"engine_args": {"speculative_config": "ngram:x"}}, "not understood"),
+        ({"engine_args": {"speculative_config": '{"num_speculative_tokens": 0, "method": "x"}'}}, "greater"),
+        ({"engine_args": {"speculative_config": '{"num_speculative_tokens": 2}'}}, "method or a draft model"),
+    ],
+)
+def test_malformed_typed_engine_options_are_one_line_user_errors(
+    kwargs: dict[str, object], needle: str
+) -> None:
+    with pytest.raises(UserError, match=needle) as err:
+        DeploymentSpec(name="x", model="m", **kwargs)  # type: ignore[arg-type]
+    assert "\n" not in str(err.value)
+
+
+def test_vllm_refuses_an_adapter_without_weights_but_sim_serves_it_by_name() -> None:
+    adapters = [LoraAdapter(name="a1")]
+    with pytest.raises(UserError, match="'a1' has no weights"):
+        check_engine_args(DeploymentSpec(name="x", model="m", lora_adapters=adapters))
+    check_engine_args(DeploymentSpec(name="x", model="m", engine=EngineKind.SIM, lora_adapters=adapters))
+
+
+def test_engines_declare_their_probe_paths() -> None:
+    sim = SimEngine().build(_ctx(engine=EngineKind.SIM).model_copy(update={"model_dir": None}))
+    gpu = VllmEngine(image="i").build(_ctx(tp=2))
+    assert sim.probes == gpu.probes == ProbePaths(health="/health", ready="/v1/models", metrics="/metrics")

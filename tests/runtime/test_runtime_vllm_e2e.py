@@ -53,3 +53,15 @@ def test_logs_show_the_engine_output(vllm_tiny: VllmDeployment) -> None:
     assert "starting sarv-tiny-0" in out
     assert "vllm.entrypoints.openai.api_server" in out
     assert "Application startup complete" in out or "Starting vLLM" in out
+
+
+def test_the_engine_metrics_parser_reads_this_vllm(vllm_tiny: VllmDeployment) -> None:
+    from controlplane.engines.metrics import parse_vllm_metrics
+
+    [replica] = vllm_tiny.status()["deployments"][0]["replicas"]
+    assert replica["probe"] == {"path": "/health", "ok": True, "error": None}
+    load = parse_vllm_metrics(httpx.get(f"{vllm_tiny.endpoint}/metrics", timeout=30).text)
+    assert load is not None
+    assert load.ongoing == 0.0  # idle between the tests' requests
+    assert load.kv_cache_usage is not None and 0.0 <= load.kv_cache_usage <= 1.0
+    assert load.queued_requests_total is not None  # the queue-time histogram under this release's name
