@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from enum import StrEnum
 from pathlib import Path
@@ -11,6 +12,7 @@ import typer
 
 from controlplane.cli import ui
 from controlplane.cli.options import optional_path
+from controlplane.cli.runtime import EngineChoice
 from controlplane.errors import PlacementError
 from controlplane.spec import Quantization, Strategy
 
@@ -236,6 +238,12 @@ def register(app: typer.Typer) -> None:
         explain: Annotated[
             bool, typer.Option("--explain", help="Print the memory arithmetic and every refused node.")
         ] = False,
+        engine: Annotated[
+            EngineChoice,
+            typer.Option(
+                "--engine", help="As for deploy: vllm, vllm-cpu, sim; auto: vllm with GPUs, else vllm-cpu."
+            ),
+        ] = EngineChoice.AUTO,
     ) -> None:
         """Plan where the replicas of MODEL would run; changes nothing.
 
@@ -243,13 +251,21 @@ def register(app: typer.Typer) -> None:
         """
         from controlplane.catalog import Catalog
         from controlplane.fleet import load_fleet
-        from controlplane.placement import plan, plan_to_json
+        from controlplane.launchers import is_local_node
+        from controlplane.placement import choose_engine, place, plan_to_json
         from controlplane.settings import load_settings
-        from controlplane.spec import DeploymentSpec
+        from controlplane.spec import DeploymentSpec, EngineKind
 
         settings = load_settings()
         source = inventory if inventory is not None else settings.inventory
         model_spec = Catalog.load([*settings.catalog, *(catalog or [])]).get(model)
+        fleet = load_fleet(source)
+        notes: list[str] = []
+        if engine is EngineChoice.AUTO:
+            kind, why = choose_engine(fleet)
+            notes.append(f"engine: {kind.value} ({why})")
+        else:
+            kind = EngineKind(engine.value)
         spec = DeploymentSpec(
             name=_deployment_name(model_spec.name),
             model=model_spec.name,
@@ -261,9 +277,13 @@ def register(app: typer.Typer) -> None:
             concurrency=concurrency,
             strategy=strategy,
             gpu_memory_utilization=gpu_memory_utilization,
+            engine=kind,
         )
-        fleet = load_fleet(source)
-        result = plan(fleet, spec, model_spec, explain=explain)
+        # The same placement `llmctl deploy` records, with the same answers about this host.
+        result = place(
+            fleet, spec, model_spec, is_local=is_local_node, local_cpus=os.cpu_count(), explain=explain
+        )
+        result = result.model_copy(update={"notes": [*notes, *result.notes]})
         if output is PlanOutput.JSON:
             ui.print_json(plan_to_json(result))
         else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -19,10 +21,7 @@ from controlplane.spec import (
     DeploymentSpec,
     Dtype,
     EngineKind,
-    Fleet,
     LoraAdapter,
-    ModelSpec,
-    Plan,
     Quantization,
     ReplicaRecord,
     SpeculativeConfig,
@@ -84,11 +83,12 @@ def _engine_args(pairs: list[str]) -> dict[str, str | int | float | bool]:
 
 @contextmanager
 def _deployer(inventory: Path | None, *, progress: Any = None) -> Iterator[Deployer]:
-    """A Deployer wired from the settings: state store, fleet, catalog, planners and launchers."""
+    """A Deployer wired from the settings: state store, fleet, catalog, placement and launchers."""
     from controlplane.catalog import Catalog
     from controlplane.controller import Deployer, default_engines
     from controlplane.fleet import load_fleet
-    from controlplane.launchers import group_launcher_for, launcher_for
+    from controlplane.launchers import group_launcher_for, is_local_node, launcher_for
+    from controlplane.placement import place
     from controlplane.settings import load_settings
     from controlplane.state import open_store
 
@@ -101,7 +101,8 @@ def _deployer(inventory: Path | None, *, progress: Any = None) -> Iterator[Deplo
             store=store,
             fleet=fleet,
             catalog=Catalog.load(settings.catalog),
-            planner=_planner,
+            # The placement `llmctl plan` prints, told which node is this host and its core count.
+            planner=functools.partial(place, is_local=is_local_node, local_cpus=os.cpu_count()),
             launcher_factory=lambda node: launcher_for(
                 node, settings.home, settings.resolved_model_cache, settings=settings
             ),
@@ -116,18 +117,6 @@ def _deployer(inventory: Path | None, *, progress: Any = None) -> Iterator[Deplo
         yield deployer
     finally:
         store.close()
-
-
-def _planner(fleet: Fleet, spec: DeploymentSpec, model: ModelSpec, placed: list[ReplicaRecord]) -> Plan:
-    """GPU placement for ``vllm``; CPU placement for ``vllm-cpu`` and ``sim``: on this host when it is
-    part of the fleet (the embedded default), else on the fleet's nodes (systemd units over SSH)."""
-    from controlplane import placement
-    from controlplane.controller import cpu_plan
-    from controlplane.launchers import is_local_node
-
-    if spec.engine is EngineKind.VLLM or not any(is_local_node(n) for n in fleet.nodes):
-        return placement.plan(fleet, spec, model, [s for r in placed for s in r.shards])
-    return cpu_plan(fleet, spec, model, placed)
 
 
 def _age(ts: float, now: float) -> str:
@@ -283,11 +272,10 @@ def register(app: typer.Typer) -> None:
         with ui.progress() as bar, _deployer(inventory, progress=bar.update) as deployer:
             kind = EngineKind(engine.value) if engine is not EngineChoice.AUTO else None
             if kind is None:
-                has_gpu = any(n.gpus for n in deployer.fleet.nodes)
-                kind = EngineKind.VLLM if has_gpu else EngineKind.VLLM_CPU
-                bar.update(
-                    "engine", f"engine: {kind.value} ({'GPUs found' if has_gpu else 'no GPU in the fleet'})"
-                )
+                from controlplane.placement import choose_engine
+
+                kind, why = choose_engine(deployer.fleet)
+                bar.update("engine", f"engine: {kind.value} ({why})")
             canonical = deployer.catalog.get(model).name  # aliases deploy as the model they name
             spec = DeploymentSpec(
                 name=name or canonical,

@@ -1,6 +1,5 @@
 """Deploy orchestration (plan → desired → launch → ready → observed), rollback and undeploy."""
 
-from controlplane.controller.cpu_plan import cpu_plan
 from controlplane.controller.deploy import (
     Deployer,
     DeployResult,
@@ -10,12 +9,4 @@ from controlplane.controller.deploy import (
     default_engines,
 )
 
-__all__ = [
-    "DeployResult",
-    "Deployer",
-    "ModelCatalog",
-    "Observation",
-    "Planner",
-    "cpu_plan",
-    "default_engines",
-]
+__all__ = ["DeployResult", "Deployer", "ModelCatalog", "Observation", "Planner", "default_engines"]

@@ -37,7 +37,8 @@ __all__ = ["DeployResult", "Deployer", "ModelCatalog", "Observation", "Planner",
 
 Progress = Callable[[str, str], None]
 """``(key, description)``: one line of progress per key (a replica, the weights …)."""
-Planner = Callable[[Fleet, DeploymentSpec, ModelSpec, list[ReplicaRecord]], Plan]
+Planner = Callable[[Fleet, DeploymentSpec, ModelSpec, list[Shard]], Plan]
+"""``(fleet, spec, model, shards of the other deployments)``: ``placement.place`` with this host's answers."""
 LauncherFactory = Callable[[Node], Launcher]
 GroupLauncherFactory = Callable[[list[Node]], Launcher]
 """Launcher for one replica whose pipeline stages span these nodes (pp rank order): Ray."""
@@ -208,7 +209,7 @@ class Deployer:
         )
 
     def _plan(self, spec: DeploymentSpec, model: ModelSpec) -> Plan:
-        placed = [r for r in self.store.list_replicas() if r.deployment != spec.name]
+        placed = [s for r in self.store.list_replicas() if r.deployment != spec.name for s in r.shards]
         plan = self.planner(self.fleet, spec, model, placed)
         if plan.unplaced or len(plan.replicas) < spec.replicas:
             reasons = "; ".join(plan.reasons) or "no node can hold it"

@@ -12,7 +12,11 @@ __all__ = ["SimEngine"]
 
 @dataclass(frozen=True)
 class SimEngine:
-    """Runs the simulator with the deployment's name and options; used only where ``sim`` was asked for."""
+    """Runs the simulator with the deployment's name and options; used only where ``sim`` was asked for.
+
+    Placed like ``vllm`` on nodes that declare GPUs (``placement.uses_gpus``), it runs as a process all the
+    same, wherever its node is: the GPU indices only say which GPUs it holds in the plan.
+    """
 
     kind: EngineKind = EngineKind.SIM
     needs_weights: bool = False
@@ -46,5 +50,10 @@ class SimEngine:
         # Adapters are served by name; the simulator has no speculative decoding to configure.
         if ctx.spec.lora_adapters:
             argv += ["--lora-modules", *(a.as_module() for a in ctx.spec.lora_adapters)]
+        env = {"SARV_SIM": "1"}
+        if ctx.gpu_ids:
+            # Placed on GPUs as a stand-in for vllm: the GPUs it was given, as vLLM would see them. The
+            # simulator uses no GPU, so this only tells the process (and its unit) what it rehearses.
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(ctx.gpu_ids)
         secret_env = {"VLLM_API_KEY": ctx.api_key} if ctx.api_key is not None else {}
-        return EngineLaunch(argv=argv, env={"SARV_SIM": "1"}, secret_env=secret_env, port=ctx.port)
+        return EngineLaunch(argv=argv, env=env, secret_env=secret_env, port=ctx.port)

@@ -23,7 +23,6 @@ from controlplane.placement._pipeline import (
 )
 from controlplane.spec import (
     DeploymentSpec,
-    EngineKind,
     Fleet,
     ModelSpec,
     Plan,
@@ -35,17 +34,13 @@ from controlplane.spec import (
 
 __all__ = [
     "ATTEMPTS",
-    "CPU_ENGINES",
     "PlacementRequest",
     "Planner",
+    "check_request",
     "plan",
-    "plan_cpu",
     "plan_many",
     "plan_to_json",
 ]
-
-CPU_ENGINES = frozenset({EngineKind.SIM, EngineKind.VLLM_CPU})
-"""Engines that run without GPUs; their replicas get :func:`plan_cpu` placements."""
 
 WINDOW = 8
 """Nodes per GPU type that are scored for each replica, taken in strategy order (fullest first for
@@ -98,7 +93,7 @@ class _Attempt:
     notes: list[str] = field(default_factory=list)
 
 
-def _check_request(spec: DeploymentSpec, model: ModelSpec) -> int:
+def check_request(spec: DeploymentSpec, model: ModelSpec) -> int:
     """Refuse input that can never work (exit 2) and return the max_model_len to plan for."""
     heads, kv = model.num_attention_heads, model.num_kv_heads
     tp = spec.tp
@@ -172,7 +167,7 @@ class Planner:
         ``max_gpus`` skips layouts that need more GPUs per replica (not with ``quantization auto``):
         :func:`plan_many` first places every replica at its cheapest GPU count only.
         """
-        length = _check_request(spec, model)
+        length = check_request(spec, model)
         if spec.quantization is Quantization.AUTO:
             attempt = self._plan_auto(spec, model, length, avoid_nodes)
         else:
@@ -568,13 +563,11 @@ def plan(
     avoid_nodes: Collection[str] = (),
     explain: bool = False,
 ) -> Plan:
-    """Place ``spec``'s replicas of ``model`` on ``fleet``, around the GPUs ``placed`` shards hold.
-
-    CPU engines (``sim``, ``vllm-cpu``) get :func:`plan_cpu`. ``avoid_nodes`` are nodes that already run
-    replicas of this deployment. ``explain`` adds each refused node's reason to ``notes``.
+    """GPU placement of ``spec``'s replicas of ``model`` on ``fleet``, around the GPUs ``placed`` shards hold,
+    whatever ``spec.engine`` says (:func:`~controlplane.placement.place` decides which placement an engine
+    gets). ``avoid_nodes`` are nodes that already run replicas of this deployment. ``explain`` adds each
+    refused node's reason to ``notes``.
     """
-    if spec.engine in CPU_ENGINES:
-        return plan_cpu(fleet, spec, placed, avoid_nodes=avoid_nodes)
     planner = Planner(fleet, placed, utilization=spec.gpu_memory_utilization)
     return planner.plan(spec, model, avoid_nodes=avoid_nodes, explain=explain)
 
@@ -597,10 +590,10 @@ def plan_many(
     packs a mixed fleet far better than arrival order. When that leaves replicas unplaced or spends more
     GPUs than each replica's cheapest layout, up to ``attempts - 1`` perturbed orders (seeded, so the
     answer is still deterministic) are tried and the best kept: most replicas placed, then fewest
-    GPUs. GPU plans only (CPU engines: :func:`plan_cpu`).
+    GPUs. GPU plans only.
     """
     for req in requests:
-        _check_request(req.spec, req.model)
+        check_request(req.spec, req.model)
     utilization = max((r.spec.gpu_memory_utilization for r in requests), default=0.9)
     best: list[Plan] = []
     best_key: tuple[int, int] | None = None
@@ -662,60 +655,6 @@ def _place_batch(
             }
         )
     return [plans[i] for i in range(len(requests))]
-
-
-def plan_cpu(
-    fleet: Fleet,
-    spec: DeploymentSpec,
-    placed: Sequence[Shard] = (),
-    *,
-    avoid_nodes: Collection[str] = (),
-) -> Plan:
-    """CPU placement for engines without GPUs: one shard (``gpus=[]``) per replica, no memory check.
-
-    Nodes are chosen by the same preferences as GPU replicas: nodes not yet running this deployment
-    first, then binpack (the node with most replicas) or spread (fewest), then node name.
-    """
-    nodes = [n for n in fleet.nodes if all(n.labels.get(k) == v for k, v in spec.node_selector.items())]
-    if not nodes:
-        why = "the fleet has no nodes" if not fleet.nodes else "no node matches the node selector"
-        return Plan(
-            model=spec.model,
-            deployment=spec.name,
-            unplaced=spec.replicas,
-            reasons=[f"{spec.replicas} replica(s) of {spec.model} could not be placed: {why}"],
-        )
-    load = {n.name: 0 for n in nodes}
-    for shard in placed:
-        if shard.node in load and shard.pp_rank == 0:
-            load[shard.node] += 1
-    used = set(avoid_nodes)
-    replicas: list[ReplicaPlan] = []
-    sign = -1 if spec.strategy is Strategy.BINPACK else 1
-    for _ in range(spec.replicas):
-        # Sort key: nodes without this deployment first, then most (binpack) or fewest (spread) replicas,
-        # then name so the same input gives the same plan.
-        name = min(load, key=lambda n: (n in used, sign * load[n], n))
-        load[name] += 1
-        used.add(name)
-        replicas.append(
-            ReplicaPlan(
-                tp=1,
-                pp=1,
-                quantization=spec.quantization
-                if spec.quantization is not Quantization.AUTO
-                else Quantization.NONE,
-                shards=[Shard(node=name, gpus=[], pp_rank=0)],
-                per_gpu_memory_gib=0.0,
-                max_concurrency=spec.concurrency,
-            )
-        )
-    return Plan(
-        model=spec.model,
-        deployment=spec.name,
-        replicas=replicas,
-        notes=[f"engine {spec.engine.value} runs on CPUs: no GPU memory check"],
-    )
 
 
 def plan_to_json(plan: Plan) -> dict[str, object]:

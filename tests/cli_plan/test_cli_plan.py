@@ -130,3 +130,26 @@ def test_models_lists_the_catalog(capsys: pytest.CaptureFixture[str]) -> None:
         entries
     )
     assert "llama-8b" in entries["llama-3-8b"]["aliases"]
+
+
+def test_sim_is_planned_on_the_declared_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    # sim rehearses the vllm deployment: the same GPUs, memory check included.
+    args = ["llama-70b", "--tp", "2", "--replicas", "2", "-i", INVENTORY, "-o", "json"]
+    code, sim, err = run(capsys, *args, "--engine", "sim")
+    assert code == 0, err
+    shards = [r["shards"] for r in json.loads(sim)["replicas"]]
+    assert shards[0] == [{"node": "gpu-a1", "gpus": [0, 1], "pp_rank": 0}]
+    assert all(s[0]["gpus"] for s in shards)
+    _, vllm, _ = run(capsys, *args, "--engine", "vllm")
+    assert json.loads(sim) == json.loads(vllm)
+
+
+def test_auto_engine_on_cpu_nodes_plans_vllm_cpu(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.json"
+    fleet.write_text(json.dumps({"version": 1, "nodes": [{"name": "cpu-1", "address": "10.0.0.1"}]}))
+    code, out, err = run(capsys, "sarv-tiny", "--tp", "2", "-i", str(fleet))
+    assert code == 0, err
+    assert "note: engine: vllm-cpu (no GPU in the fleet)" in out
+    row = next(line for line in out.splitlines() if "cpu-1" in line)
+    cells = [c.strip() for c in row.strip("│ ").split("│")]
+    assert cells[:6] == ["0", "cpu-1", "cpu", "-", "0", "2×1"]

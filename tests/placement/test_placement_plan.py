@@ -12,7 +12,7 @@ from placement.plan_fleets import example_fleet, node
 
 from controlplane.catalog import Catalog, estimate
 from controlplane.errors import UserError
-from controlplane.placement import PlacementRequest, plan, plan_cpu, plan_many, plan_to_json
+from controlplane.placement import PlacementRequest, place, plan, plan_cpu, plan_many, plan_to_json
 from controlplane.spec import (
     DeploymentSpec,
     EngineKind,
@@ -199,8 +199,9 @@ def test_json_contract() -> None:
 
 
 def test_cpu_engines_get_cpu_shards() -> None:
-    s = spec(engine=EngineKind.SIM, replicas=3, strategy=Strategy.SPREAD)
-    p = plan(example_fleet(), s, CAT.get("sarv-tiny"))
+    # vllm-cpu: sim on this fleet of GPU nodes stands in for vllm (tests/placement/test_placement_place.py).
+    s = spec(engine=EngineKind.VLLM_CPU, replicas=3, strategy=Strategy.SPREAD)
+    p = place(example_fleet(), s, CAT.get("sarv-tiny"))
     assert p.unplaced == 0
     assert all(r.shards[0].gpus == [] for r in p.replicas)
     assert len({r.shards[0].node for r in p.replicas}) == 3

@@ -16,7 +16,7 @@ from fixtures.testhosts import TestHost
 
 from controlplane.launchers.ssh import SshLauncher
 from controlplane.settings import Settings
-from controlplane.spec import DeploymentSpec, Fleet, ModelSpec, Node, Plan, ReplicaRecord
+from controlplane.spec import DeploymentSpec, Fleet, ModelSpec, Node, Plan, Shard
 
 _QUERY = "0, GPU-{uuid}, NVIDIA L4, 23034, 0, 00000000:01:00.0\n"
 _TOPO = "\tGPU0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\nGPU0\t X \t0-1\t0\t\tN/A\n"
@@ -67,10 +67,11 @@ def remote_settings(tmp_path: Path, remote_hosts: list[TestHost]) -> Settings:
     )
 
 
-def cpu_planner(fleet: Fleet, spec: DeploymentSpec, model: ModelSpec, placed: list[ReplicaRecord]) -> Plan:
+def cpu_planner(fleet: Fleet, spec: DeploymentSpec, model: ModelSpec, placed: list[Shard]) -> Plan:
     from controlplane import placement
+    from controlplane.launchers import is_local_node
 
-    return placement.plan(fleet, spec, model, [s for r in placed for s in r.shards])
+    return placement.place(fleet, spec, model, placed, is_local=is_local_node)
 
 
 class Wired:

@@ -130,12 +130,12 @@ def _ray_bin() -> str:
 
 def _gpu_planner() -> Callable[..., Any]:
     from controlplane import placement
-    from controlplane.spec import ModelSpec, Plan, ReplicaRecord
+    from controlplane.spec import ModelSpec, Plan, Shard
 
-    def plan(fleet: Fleet, spec: DeploymentSpec, model: ModelSpec, placed: list[ReplicaRecord]) -> Plan:
-        # GPU placement (pp across nodes on the declared GPUs) for a CPU engine: plan_cpu has no pp.
-        gpu_spec = spec.model_copy(update={"engine": EngineKind.VLLM})
-        return placement.plan(fleet, gpu_spec, model, [s for r in placed for s in r.shards])
+    def plan(fleet: Fleet, spec: DeploymentSpec, model: ModelSpec, placed: list[Shard]) -> Plan:
+        # GPU placement (pp across nodes on the declared GPUs) for a CPU engine: plan_cpu keeps a
+        # replica's stages on one node.
+        return placement.plan(fleet, spec, model, placed)
 
     return plan
 
