@@ -57,6 +57,16 @@ class Connector(Protocol):
 # --- this host
 
 
+def _timed_out(host: str, argv: Sequence[str], timeout: float) -> DiscoveryError:
+    hung_driver = bool(argv) and Path(argv[0]).name == "nvidia-smi"
+    return DiscoveryError(
+        f"host {host}: `{shlex.join(argv)}` did not finish within {timeout:g}s",
+        hint="a hung nvidia-smi usually means a wedged driver; check `dmesg` for Xid errors"
+        if hung_driver
+        else "check the host's load and the command by hand",
+    )
+
+
 class _LocalSession:
     def __init__(self, host: str) -> None:
         self._host = host
@@ -67,12 +77,7 @@ class _LocalSession:
         except FileNotFoundError:
             return CommandResult(NOT_FOUND, "", f"{argv[0]}: command not found")
         except subprocess.TimeoutExpired:
-            raise DiscoveryError(
-                f"host {self._host}: `{shlex.join(argv)}` did not finish within {timeout:g}s",
-                hint="a hung nvidia-smi usually means a wedged driver; check `dmesg` for Xid errors"
-                if argv and Path(argv[0]).name == "nvidia-smi"
-                else "check the host's load and the command by hand",
-            ) from None
+            raise _timed_out(self._host, argv, timeout) from None
         return CommandResult(proc.returncode, proc.stdout, proc.stderr)
 
     def close(self) -> None:
@@ -105,12 +110,7 @@ class _FabricSession:
                 shlex.join(argv), hide=True, warn=True, in_stream=False, timeout=math.ceil(timeout)
             )
         except CommandTimedOut:
-            raise DiscoveryError(
-                f"host {self._host}: `{shlex.join(argv)}` did not finish within {timeout:g}s",
-                hint="a hung nvidia-smi usually means a wedged driver; check `dmesg` for Xid errors"
-                if argv and Path(argv[0]).name == "nvidia-smi"
-                else "check the host's load and the command by hand",
-            ) from None
+            raise _timed_out(self._host, argv, timeout) from None
         except (SSHException, OSError, EOFError) as exc:
             raise DiscoveryError(
                 f"host {self._host}: SSH session failed while running `{shlex.join(argv)}`: {exc}"

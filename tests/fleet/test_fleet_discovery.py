@@ -19,19 +19,28 @@ from controlplane.spec import Fleet, Interconnect, Node
 SAMPLES = Path(__file__).parent / "samples"
 
 
-def fake_nvidia_smi(tmp_path: Path, name: str, query: str, topo: str = "", *, exit_code: int = 0) -> Path:
-    """A stand-in nvidia-smi: a real executable printing sample files, as the real one prints its output."""
+def fake_nvidia_smi(
+    tmp_path: Path, name: str, query: str, topo: str = "", *, exit_code: int = 0, reject: str = ""
+) -> Path:
+    """A stand-in nvidia-smi: a real executable printing sample files, as the real one prints its output.
+
+    ``reject``: a query field it does not know (as older drivers refuse ``compute_cap``).
+    """
     d = tmp_path / name
     d.mkdir()
     (d / "query.csv").write_text(query)
     (d / "topo.txt").write_text(topo)
     script = d / "nvidia-smi"
+    refuse = (
+        f"""*{reject}*) echo 'Field "{reject}" is not a valid field to query.'; exit 2 ;;""" if reject else ""
+    )
     script.write_text(
         textwrap.dedent(
             f"""\
             #!/bin/sh
             case "$1" in
               topo) cat '{d}/topo.txt' ;;
+              {refuse}
               --query-gpu=*) cat '{d}/query.csv'; exit {exit_code} ;;
               *) echo "unexpected arguments: $*" >&2; exit 2 ;;
             esac
@@ -145,25 +154,7 @@ def test_no_devices_and_missing_nvidia_smi(tmp_path: Path) -> None:
 
 def test_a_driver_without_compute_cap_is_asked_again_without_it(tmp_path: Path) -> None:
     """Drivers before R510 reject the whole query over the unknown field; the six others still work."""
-    query, topo = sample_pair("p100-pcie-8gpu-legacy")
-    d = tmp_path / "old"
-    d.mkdir()
-    (d / "query.csv").write_text(query)
-    (d / "topo.txt").write_text(topo)
-    script = d / "nvidia-smi"
-    script.write_text(
-        textwrap.dedent(
-            f"""\
-            #!/bin/sh
-            case "$1" in
-              topo) cat '{d}/topo.txt' ;;
-              *compute_cap*) echo 'Field "compute_cap" is not a valid field to query.' ; exit 2 ;;
-              --query-gpu=*) cat '{d}/query.csv' ;;
-            esac
-            """
-        )
-    )
-    script.chmod(0o755)
+    script = fake_nvidia_smi(tmp_path, "old", *sample_pair("p100-pcie-8gpu-legacy"), reject="compute_cap")
     (node,) = discover_fleet(
         Fleet(nodes=[declared_node("old")]), connector=PerNodeScripts({"old": script})
     ).nodes
