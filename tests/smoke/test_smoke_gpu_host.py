@@ -39,7 +39,11 @@ def image() -> str:
         return configured
     from controlplane.settings import Settings
 
-    return Settings().vllm_image
+    from controlplane.catalog.compat import load_compat
+
+    settings = Settings()
+    table = load_compat()
+    return settings.vllm_image or table.image_for(list(table.generations), settings.vllm_image_repository)
 
 
 def test_nvidia_smi_lists_gpus() -> None:
