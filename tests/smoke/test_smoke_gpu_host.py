@@ -37,9 +37,8 @@ def image() -> str:
     configured = os.environ.get("SARV_SMOKE_IMAGE")
     if configured:
         return configured
-    from controlplane.settings import Settings
-
     from controlplane.catalog.compat import load_compat
+    from controlplane.settings import Settings
 
     settings = Settings()
     table = load_compat()
