@@ -216,7 +216,8 @@ def test_tools_turn_on_the_catalogs_parser(
          "turing GPUs have no fp8 kernel"),
         (["llama-3-8b", "--tools", "--max-model-len", "4096"], 2, "llama-3-8b has no tool-call parser"),
         (["llama-3-8b", "--max-model-len", "4096", "--source-awq"], 6,
-         "holds the awq variant (quant_method awq, torch_dtype float16), but the plan runs llama-3-8b's none"),
+         "holds the awq variant (quant_method awq, torch_dtype float16), but the plan runs llama-3-8b's "
+         "none"),
     ],
 )  # fmt: skip
 def test_refusals_come_before_anything_is_copied_or_started(
