@@ -114,3 +114,13 @@ def test_redis_teams_and_audit(request, backend):
         assert store.get_team("ml") is None
     finally:
         store.close()
+
+
+def test_a_failed_undeploy_is_in_the_trail_with_its_error(capsys, cli_env):
+    code, _, err = run(capsys, "undeploy", "ghost", "--yes")
+    assert code != 0
+    code, out, _ = run(capsys, "audit", "-o", "json")
+    [entry] = json.loads(out)
+    assert (entry["action"], entry["target"]) == ("undeploy", "ghost")
+    assert entry["outcome"] != "ok"
+    assert entry["outcome"] in err
