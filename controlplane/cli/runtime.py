@@ -330,7 +330,10 @@ def register(app: typer.Typer) -> None:
                 sources=per_variant,
                 tools=tools,
             )
-            result = deployer.deploy(spec, wait=wait, timeout=timeout, port=port)
+            from controlplane.cli.audit import audited
+
+            with audited(deployer.store, "deploy", spec.name, {"model": str(spec.model)}):
+                result = deployer.deploy(spec, wait=wait, timeout=timeout, port=port)
         if output is StatusFormat.JSON:
             ui.print_json(result.model_dump(mode="json"))
             return
@@ -368,7 +371,10 @@ def register(app: typer.Typer) -> None:
             ui.out("nothing changed")
             raise typer.Exit(1)
         with ui.progress() as bar, _deployer(inventory, progress=bar.update) as deployer:
-            stopped = deployer.undeploy(name)
+            from controlplane.cli.audit import audited
+
+            with audited(deployer.store, "undeploy", name):
+                stopped = deployer.undeploy(name)
         ui.out(f"{name}: undeployed ({len(stopped)} replica{'s' if len(stopped) != 1 else ''} stopped)")
 
     @app.command()
