@@ -341,6 +341,13 @@ def register(app: typer.Typer) -> None:
         ui.out(f"{result.deployment}: {verb}")
         _print_endpoints(result.replicas)
 
+    _register_operations(app)
+    _register_lora(app)
+
+
+def _register_operations(app: typer.Typer) -> None:
+    """``llmctl status``, ``undeploy`` and ``logs``."""
+
     @app.command()
     def status(
         output: Annotated[StatusFormat, typer.Option("--output", "-o", help="table or json (stable).")] = (
@@ -391,8 +398,6 @@ def register(app: typer.Typer) -> None:
                     ui.out(line)
             except KeyboardInterrupt:
                 return
-
-    _register_lora(app)
 
 
 def _register_lora(app: typer.Typer) -> None:
