@@ -28,7 +28,7 @@ from controlplane.gateway.ratelimit import InProcessLimiter, RateLimiter
 from controlplane.gateway.requests import ENDPOINTS, RequestChecks, prompt_parts
 from controlplane.gateway.routing import Router
 from controlplane.gateway.schemas import ModelCard, ModelList, openapi_document
-from controlplane.gateway.upstream import Job, Upstream
+from controlplane.gateway.upstream import Job, Upstream, trace_headers
 from controlplane.state.base import ApiKeyRecord, StateStore
 
 # A raw ASGI callable rather than a framework: the hot path is one dict lookup per stage and the body bytes
@@ -213,6 +213,7 @@ class GatewayApp:
         self, scope: Scope, receive: Receive, send: Send, path: str, schema: type[BaseModel]
     ) -> None:
         job = Job(path=path, start=self._mono())
+        job.request_id, job.headers = trace_headers(scope)
         status = 500
         checks = self.requests
         try:
@@ -236,7 +237,7 @@ class GatewayApp:
             status = exc.status
             if 400 <= status < 500 and status not in (401, 429):
                 self.metrics.validation_rejections.labels(exc.reason).inc()
-            await respond_error(send, exc)
+            await respond_error(send, exc, [(b"x-request-id", job.request_id.encode())])
         finally:
             if job.reservation is not None:
                 # Refused or failed after admission: give back what it did not use.
