@@ -317,6 +317,8 @@ class Deployer:
                 # Remote launchers run their node's interpreter (settings.remote_python), not ours.
                 python=getattr(launcher, "python", None) or self.python,
                 max_model_len=spec.max_model_len or model.max_model_len,
+                gpu_memory_mib=self._gpu_memory_mib(shard0),
+                planned_gpu_memory_mib=round(rplan.per_gpu_memory_gib * 1024) or None,
             )
             launch = engine.build(ctx)
             now = self.clock()
@@ -339,6 +341,15 @@ class Deployer:
             rec.handle = launcher.start(replica_id, launch)
             launched.append(_Launched(rec, launcher))
             self.store.put_replica(rec)
+
+    def _gpu_memory_mib(self, shard: Shard) -> int | None:
+        """The smallest memory among the shard's GPUs (what the engine's budget must fit)."""
+        try:
+            node = self.fleet.node(shard.node)
+        except KeyError:
+            return None
+        sizes = [g.memory_total_mib for g in node.gpus if g.index in shard.gpus]
+        return min(sizes) if sizes else None
 
     def _gpu_ids(self, shard: Shard) -> list[str]:
         try:

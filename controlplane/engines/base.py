@@ -66,6 +66,10 @@ class ReplicaContext(BaseModel):
     """Interpreter for process engines (the launcher's own venv on this host)."""
     max_model_len: int | None = None
     """Context length after the catalog's default was applied."""
+    gpu_memory_mib: int | None = Field(default=None, gt=0)
+    """Memory of each GPU of the pp-rank-0 node, as the fleet declares or discovered it."""
+    planned_gpu_memory_mib: int | None = Field(default=None, gt=0)
+    """Per-GPU memory the plan gives this replica (weights, KV cache, overhead)."""
 
 
 class EngineLaunch(BaseModel):
