@@ -188,8 +188,26 @@ class GatewayApp:
                 await respond_error(send, exc)
                 return
             await respond(send, 200, self._model_list(record))
+        elif path.startswith("/v1/models/"):
+            await self._model_card(scope, send, path[len("/v1/models/") :])
         else:
             await respond_error(send, ApiError(404, f"no route {method} {path}", code="not_found"))
+
+    async def _model_card(self, scope: Scope, send: Send, model: str) -> None:
+        """``GET /v1/models/{id}``: one model or adapter card, as in the list the key sees."""
+        try:
+            record = await self.admission.authenticate(scope)
+        except ApiError as exc:
+            await respond_error(send, exc)
+            return
+        for card in ModelList.model_validate_json(self._model_list(record)).data:
+            if card.id == model:
+                await respond(send, 200, card.model_dump_json(exclude_none=True).encode())
+                return
+        await respond_error(
+            send,
+            ApiError(404, f"the model '{model}' does not exist", param="model", code="model_not_found"),
+        )
 
     def _model_list(self, record: ApiKeyRecord) -> bytes:
         cards: list[ModelCard] = []

@@ -200,3 +200,19 @@ def test_request_id_and_trace_context_reach_the_replica_and_the_id_comes_back(re
     )
     assert refused.status_code == 400
     assert refused.headers["x-request-id"] == "r1"
+
+
+def test_one_model_card_by_id_and_a_404_naming_an_unknown_one(live):
+    gw, key = live
+    auth = {"Authorization": f"Bearer {key}"}
+    r = httpx.get(f"{gw.url}/v1/models/m1", headers=auth)
+    assert r.status_code == 200, r.text
+    assert r.json()["id"] == "m1"
+    assert r.json()["object"] == "model"
+    r = httpx.get(f"{gw.url}/v1/models/nope", headers=auth)
+    assert r.status_code == 404
+    assert "'nope'" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(f"{gw.url}/v1/models/m1").status_code == 401
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
+    assert client.models.retrieve("m1").id == "m1"
