@@ -1,6 +1,7 @@
 """Model catalog and memory estimator: ``Catalog.load(extra).get(name) -> ModelSpec``, ``estimate(...)``."""
 
 from controlplane.catalog._catalog import Catalog, CatalogEntry, CatalogFile, spec_from_hf_config
+from controlplane.catalog._checkpoint import CheckpointFormat, checkpoint_format
 from controlplane.catalog._memory import (
     ACTIVATION_TOKENS,
     CUDA_GRAPH_MIB,
@@ -11,6 +12,8 @@ from controlplane.catalog._memory import (
     count_params,
     estimate,
     kv_bytes_per_token,
+    lora_budget,
+    lora_slots_mib,
     weight_bytes_per_param,
 )
 
@@ -23,10 +26,14 @@ __all__ = [
     "Catalog",
     "CatalogEntry",
     "CatalogFile",
+    "CheckpointFormat",
     "MemoryEstimate",
+    "checkpoint_format",
     "count_params",
     "estimate",
     "kv_bytes_per_token",
+    "lora_budget",
+    "lora_slots_mib",
     "spec_from_hf_config",
     "weight_bytes_per_param",
 ]

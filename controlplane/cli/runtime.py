@@ -81,6 +81,29 @@ def _engine_args(pairs: list[str]) -> dict[str, str | int | float | bool]:
     return out
 
 
+def _sources(values: list[str]) -> tuple[str | None, dict[Quantization, str]]:
+    """``--source PATH`` (the planned variant's) and ``--source VARIANT=PATH`` entries."""
+    plain: str | None = None
+    variants: dict[Quantization, str] = {}
+    names = {q.value for q in Quantization}
+    for value in values:
+        head, eq, tail = value.partition("=")
+        if eq and head in names:
+            variant = Quantization(head)
+            if variant is Quantization.AUTO or not tail:
+                raise UserError(
+                    f"--source {value!r}: give VARIANT=PATH with a variant of none, fp8, int8, awq, gptq"
+                )
+            if variant in variants:
+                raise UserError(f"--source {head}= is given twice")
+            variants[variant] = tail
+        elif plain is not None:
+            raise UserError("--source PATH is given twice; give other variants as VARIANT=PATH")
+        else:
+            plain = value
+    return plain, variants
+
+
 @contextmanager
 def _deployer(inventory: Path | None, *, progress: Any = None) -> Iterator[Deployer]:
     """A Deployer wired from the settings: state store, fleet, catalog, placement and launchers."""
@@ -226,9 +249,19 @@ def register(app: typer.Typer) -> None:
         ] = True,
         timeout: Annotated[float, typer.Option(help="Seconds to wait for readiness.")] = 900.0,
         source: Annotated[
-            str | None,
-            typer.Option(help="Weights: a directory or http(s)/s3 URL with a SHA256SUMS manifest."),
+            list[str] | None,
+            typer.Option(
+                help="Weights: a directory or http(s)/s3 URL with a SHA256SUMS manifest, for the planned "
+                "variant; VARIANT=PATH (e.g. fp8=/srv/llama-fp8) for one variant (repeatable)."
+            ),
         ] = None,
+        tools: Annotated[
+            bool,
+            typer.Option(
+                "--tools/--no-tools",
+                help="Tool calling (OpenAI `tools`), with the catalog's tool-call parser for the model.",
+            ),
+        ] = False,
         port: Annotated[
             int | None, typer.Option(help="First replica's port (default: any free port).")
         ] = None,
@@ -269,6 +302,7 @@ def register(app: typer.Typer) -> None:
         # --engine-arg lora-modules=… / speculative-config=… are lifted into these by DeploymentSpec.
         adapters = [a for m in lora_module or [] for a in LoraAdapter.parse_list(m)]
         speculative = SpeculativeConfig.parse(speculative_config) if speculative_config is not None else None
+        plain, per_variant = _sources(source or [])
         with ui.progress() as bar, _deployer(inventory, progress=bar.update) as deployer:
             kind = EngineKind(engine.value) if engine is not EngineChoice.AUTO else None
             if kind is None:
@@ -292,9 +326,14 @@ def register(app: typer.Typer) -> None:
                 engine_args=args,
                 lora_adapters=adapters,
                 speculative=speculative,
-                source=source,
+                source=plain,
+                sources=per_variant,
+                tools=tools,
             )
-            result = deployer.deploy(spec, wait=wait, timeout=timeout, port=port)
+            from controlplane.cli.audit import audited
+
+            with audited(deployer.store, "deploy", spec.name, {"model": str(spec.model)}):
+                result = deployer.deploy(spec, wait=wait, timeout=timeout, port=port)
         if output is StatusFormat.JSON:
             ui.print_json(result.model_dump(mode="json"))
             return
@@ -332,7 +371,10 @@ def register(app: typer.Typer) -> None:
             ui.out("nothing changed")
             raise typer.Exit(1)
         with ui.progress() as bar, _deployer(inventory, progress=bar.update) as deployer:
-            stopped = deployer.undeploy(name)
+            from controlplane.cli.audit import audited
+
+            with audited(deployer.store, "undeploy", name):
+                stopped = deployer.undeploy(name)
         ui.out(f"{name}: undeployed ({len(stopped)} replica{'s' if len(stopped) != 1 else ''} stopped)")
 
     @app.command()
@@ -349,3 +391,53 @@ def register(app: typer.Typer) -> None:
                     ui.out(line)
             except KeyboardInterrupt:
                 return
+
+    _register_lora(app)
+
+
+def _register_lora(app: typer.Typer) -> None:
+    """``llmctl lora list|add|remove``."""
+    lora = typer.Typer(help="LoRA adapters of a running deployment: list, add, remove.", no_args_is_help=True)
+    app.add_typer(lora, name="lora")
+
+    @lora.command("list")
+    def lora_list(
+        deployment: Annotated[str, typer.Argument(help="Deployment name.")],
+        inventory: InventoryOpt = None,
+    ) -> None:
+        """The adapters a deployment serves (its desired state)."""
+        from controlplane.controller.adapters import AdapterManager
+
+        with _deployer(inventory) as deployer:
+            adapters = AdapterManager(deployer).adapters(deployment)
+        if not adapters:
+            ui.out(f"{deployment}: no LoRA adapters")
+            return
+        ui.table(["ADAPTER", "SOURCE"], [[a.name, a.source or "-"] for a in adapters])
+
+    @lora.command("add")
+    def lora_add(
+        deployment: Annotated[str, typer.Argument(help="Deployment name.")],
+        name: Annotated[str, typer.Argument(help="Adapter name, routable as a model.")],
+        source: Annotated[str, typer.Option(help="Adapter directory (or URL) with a SHA256SUMS manifest.")],
+        inventory: InventoryOpt = None,
+    ) -> None:
+        """Verify, copy and load an adapter on every replica (or on none)."""
+        from controlplane.controller.adapters import AdapterManager
+
+        with _deployer(inventory) as deployer:
+            ids = AdapterManager(deployer).add(deployment, name, source)
+        ui.out(f"{deployment}: adapter {name} loaded on {', '.join(ids)}")
+
+    @lora.command("remove")
+    def lora_remove(
+        deployment: Annotated[str, typer.Argument(help="Deployment name.")],
+        name: Annotated[str, typer.Argument(help="Adapter name.")],
+        inventory: InventoryOpt = None,
+    ) -> None:
+        """Unload an adapter from every replica and from the deployment's desired state."""
+        from controlplane.controller.adapters import AdapterManager
+
+        with _deployer(inventory) as deployer:
+            ids = AdapterManager(deployer).remove(deployment, name)
+        ui.out(f"{deployment}: adapter {name} removed from {', '.join(ids)}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from controlplane.engines.base import EngineLaunch, ReplicaContext, vllm_server_args
+from controlplane.engines.base import EngineLaunch, ReplicaContext, lora_env, vllm_server_args
 from controlplane.errors import LaunchError
 from controlplane.spec import EngineKind
 
@@ -24,7 +24,8 @@ class VllmEngine:
     env file, so it never appears in ``ps`` or ``docker inspect``'s command line.
     """
 
-    image: str
+    image: str | None = None
+    """Fallback image when the replica's context names none (deploy picks one per GPU generation)."""
     selinux_type: str = "container_t"
     """``container_t``, or the NVIDIA container policy's type (``nvidia_container_t``) where installed."""
     restart: str = "on-failure:5"
@@ -51,7 +52,11 @@ class VllmEngine:
             raise LaunchError(f"replica {ctx.replica_id}: no verified weights directory to mount")
         if not ctx.gpu_ids:
             raise LaunchError(f"replica {ctx.replica_id}: the plan gives it no GPUs")
-        tp_pp = ctx.spec.tp * (ctx.spec.pp or 1)
+        image = ctx.image or self.image
+        if not image:
+            raise LaunchError(f"replica {ctx.replica_id}: no engine image (set vllm_image)")
+        rp = ctx.replica
+        tp_pp = rp.tp * rp.pp if rp is not None else ctx.spec.tp * (ctx.spec.pp or 1)
         if len(ctx.gpu_ids) != tp_pp:
             raise LaunchError(
                 f"replica {ctx.replica_id}: {len(ctx.gpu_ids)} GPUs planned for tp×pp = {tp_pp}"
@@ -99,6 +104,7 @@ class VllmEngine:
         argv += [
             "--volume",
             f"{ctx.model_dir}:{mount}:ro,z",
+            *_source_mounts(ctx),
             "--publish",
             f"{ctx.host}:{ctx.port}:{_CONTAINER_PORT}",
             "--env",
@@ -108,11 +114,24 @@ class VllmEngine:
             "--env",
             "DO_NOT_TRACK=1",
         ]
+        for key, value in lora_env(ctx.spec).items():
+            argv += ["--env", f"{key}={value}"]
         if ctx.env_file is not None and secret_env:
             argv += ["--env-file", str(ctx.env_file)]
         # An explicit entrypoint: images switched from the module to `vllm serve` across versions.
-        argv += ["--entrypoint", "python3", self.image, "-m", "vllm.entrypoints.openai.api_server"]
+        argv += ["--entrypoint", "python3", image, "-m", "vllm.entrypoints.openai.api_server"]
         argv += vllm_server_args(ctx, model_path=str(mount), host="0.0.0.0", port=_CONTAINER_PORT)  # noqa: S104
         # GPU only: the CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE instead.
         argv += ["--gpu-memory-utilization", str(ctx.spec.gpu_memory_utilization)]
         return EngineLaunch(argv=argv, secret_env=secret_env, port=ctx.port, container_name=name)
+
+
+def _source_mounts(ctx: ReplicaContext) -> list[str]:
+    """LoRA adapters and the draft model, read-only at the same path inside the container as on the node."""
+    paths = [a.source for a in ctx.spec.lora_adapters if a.source is not None]
+    if ctx.spec.speculative is not None and ctx.spec.speculative.model is not None:
+        paths.append(ctx.spec.speculative.model)
+    out: list[str] = []
+    for path in dict.fromkeys(paths):
+        out += ["--volume", f"{path}:{path}:ro,z"]
+    return out

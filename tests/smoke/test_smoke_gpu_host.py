@@ -55,12 +55,11 @@ def image() -> str:
     configured = os.environ.get("SARV_SMOKE_IMAGE")
     if configured:
         return configured
+    from controlplane.catalog.compat import load_compat
     from controlplane.settings import Settings
 
-    configured_image = Settings().vllm_image
-    if configured_image:
-        return configured_image
-    return f"vllm/vllm-openai:{_table_row().image.tag}"
+    settings = Settings()
+    return settings.vllm_image or load_compat().image_for([_table_row()], settings.vllm_image_repository)
 
 
 def test_nvidia_smi_lists_gpus() -> None:
