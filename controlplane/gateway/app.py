@@ -28,7 +28,7 @@ from controlplane.gateway.ratelimit import InProcessLimiter, RateLimiter
 from controlplane.gateway.requests import ENDPOINTS, RequestChecks, prompt_parts
 from controlplane.gateway.routing import Router
 from controlplane.gateway.schemas import ModelCard, ModelList, openapi_document
-from controlplane.gateway.upstream import Job, Upstream
+from controlplane.gateway.upstream import Job, Upstream, trace_headers
 from controlplane.state.base import ApiKeyRecord, StateStore
 
 # A raw ASGI callable rather than a framework: the hot path is one dict lookup per stage and the body bytes
@@ -188,8 +188,26 @@ class GatewayApp:
                 await respond_error(send, exc)
                 return
             await respond(send, 200, self._model_list(record))
+        elif path.startswith("/v1/models/"):
+            await self._model_card(scope, send, path[len("/v1/models/") :])
         else:
             await respond_error(send, ApiError(404, f"no route {method} {path}", code="not_found"))
+
+    async def _model_card(self, scope: Scope, send: Send, model: str) -> None:
+        """``GET /v1/models/{id}``: one model or adapter card, as in the list the key sees."""
+        try:
+            record = await self.admission.authenticate(scope)
+        except ApiError as exc:
+            await respond_error(send, exc)
+            return
+        for card in ModelList.model_validate_json(self._model_list(record)).data:
+            if card.id == model:
+                await respond(send, 200, card.model_dump_json(exclude_none=True).encode())
+                return
+        await respond_error(
+            send,
+            ApiError(404, f"the model '{model}' does not exist", param="model", code="model_not_found"),
+        )
 
     def _model_list(self, record: ApiKeyRecord) -> bytes:
         cards: list[ModelCard] = []
@@ -213,6 +231,7 @@ class GatewayApp:
         self, scope: Scope, receive: Receive, send: Send, path: str, schema: type[BaseModel]
     ) -> None:
         job = Job(path=path, start=self._mono())
+        job.request_id, job.headers = trace_headers(scope)
         status = 500
         checks = self.requests
         try:
@@ -236,7 +255,7 @@ class GatewayApp:
             status = exc.status
             if 400 <= status < 500 and status not in (401, 429):
                 self.metrics.validation_rejections.labels(exc.reason).inc()
-            await respond_error(send, exc)
+            await respond_error(send, exc, [(b"x-request-id", job.request_id.encode())])
         finally:
             if job.reservation is not None:
                 # Refused or failed after admission: give back what it did not use.

@@ -26,8 +26,8 @@ async def respond(
     await send({"type": "http.response.body", "body": body})
 
 
-async def respond_error(send: Send, exc: ApiError) -> None:
-    headers = list(JSON)
+async def respond_error(send: Send, exc: ApiError, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    headers = [*JSON, *extra] if extra else list(JSON)
     if exc.retry_after is not None:
         headers.append((b"retry-after", str(max(1, round(exc.retry_after))).encode()))
     await respond(

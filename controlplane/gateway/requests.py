@@ -29,7 +29,7 @@ PromptParts = tuple[list[str], list[list[int]], int]
 """(texts, token-id prompts, number of chat messages) of a validated request."""
 
 # pydantic's error locations include the union member tried ("prompt.list[int]"): not a field name.
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\])$")
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\]|[A-Z][A-Za-z]+)$")
 # Prompts longer than this (characters) are tokenised off the event loop.
 _THREAD_CHARS = 16384
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 __all__ = [
     "ChatCompletionRequest",
@@ -14,9 +14,12 @@ __all__ = [
     "EmbeddingRequest",
     "ErrorDetail",
     "ErrorResponse",
+    "FunctionDefinition",
     "ModelCard",
     "ModelList",
+    "ResponseFormat",
     "StreamOptions",
+    "Tool",
     "openapi_document",
 ]
 
@@ -67,6 +70,7 @@ class CompletionRequest(_Generation):
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool | None = None
     suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 class ContentPart(_Strict):
@@ -82,6 +86,46 @@ class ChatMessage(_Strict):
     role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = Field(default=None, max_length=256)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+# A function name as OpenAI accepts it: letters, digits, underscores and dashes, at most 64.
+_FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON Schema object."""
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError("a function's parameters must be a JSON Schema of type 'object'")
+        return value
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str = Field(pattern=_FUNCTION_NAME)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_Generation):
@@ -91,6 +135,28 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    logit_bias: dict[str, float] | None = None
+    service_tier: str | None = Field(default=None, max_length=64)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    modalities: list[str] | None = None
+    reasoning_effort: str | None = Field(default=None, max_length=64)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_names_a_tool(cls, choice: object, info: ValidationInfo) -> object:
+        # OpenAI's 400s: a choice of tools without any, or a forced function that was not offered.
+        tools: list[Tool] | None = info.data.get("tools")
+        if choice is not None and choice != "none" and not tools:
+            raise ValueError("'tool_choice' is set but no 'tools' are given")
+        offered = {t.function.name for t in tools or ()}
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in offered:
+            raise ValueError(f"the function '{choice.function.name}' is not one of 'tools'")
+        return choice
 
 
 class EmbeddingRequest(_Strict):

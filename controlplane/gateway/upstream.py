@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,16 +19,16 @@ import aiohttp
 from yarl import URL
 
 from controlplane.gateway.admission import Gate
-from controlplane.gateway.asgi import Message, Receive, Send, respond_error
+from controlplane.gateway.asgi import Message, Receive, Scope, Send, respond_error
 from controlplane.gateway.config import GatewayConfig
-from controlplane.gateway.errors import ApiError
+from controlplane.gateway.errors import ApiError, error_body
 from controlplane.gateway.guardrails import SseRewriter, TextFilter
 from controlplane.gateway.metrics import GatewayMetrics
 from controlplane.gateway.ratelimit import Reservation
 from controlplane.gateway.routing import ReplicaView, Router
 from controlplane.gateway.tokens import PromptInfo
 
-__all__ = ["MODERATION_KEY", "Flight", "Job", "Upstream", "usage_from"]
+__all__ = ["MODERATION_KEY", "Flight", "Job", "Upstream", "openai_error", "trace_headers", "usage_from"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,10 @@ _RETRYABLE = (aiohttp.ClientConnectionError,)
 _RETRY_STATUS = frozenset({502, 503})
 _JSON_HEADERS = {"content-type": "application/json"}
 _CHAT = "/v1/chat/completions"
+_REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:/+=-]{1,128}\Z")
+# W3C Trace Context: version-traceid-parentid-flags, lower-case hex, neither id all zeros.
+_TRACEPARENT = re.compile(rb"^[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}\Z")
+_TRACESTATE = re.compile(rb"^[\x20-\x7e]*\Z")
 
 
 @dataclass(slots=True)
@@ -75,6 +80,10 @@ class Job:
     """Apply the output guardrails to the answer (False for the gateway's own calls)."""
     timeout: aiohttp.ClientTimeout | None = None
     """The upstream call's timeout; None: ``limits.request_timeout_s``."""
+    request_id: str = ""
+    """The client's valid ``X-Request-Id`` or one generated; returned to the client, sent to the replica."""
+    headers: dict[str, str] = field(default_factory=lambda: _JSON_HEADERS)
+    """The headers of the upstream call (content type, request id, W3C trace context)."""
 
     @property
     def model_label(self) -> str:
@@ -228,7 +237,7 @@ class Upstream:
                 self._urls.clear()
             url = self._urls[(replica.endpoint, job.path)] = URL(replica.endpoint + job.path)
         async with session.post(
-            url, data=job.body, headers=_JSON_HEADERS, timeout=job.timeout or self._timeout
+            url, data=job.body, headers=job.headers, timeout=job.timeout or self._timeout
         ) as resp:
             status = resp.status
             if status in _RETRY_STATUS:
@@ -240,13 +249,20 @@ class Upstream:
                 logger.warning("replica %s answered %d: %r", replica.id, status, text)
                 flight.done = flight.started = True
                 await respond_error(
-                    send, ApiError(502, f"the replica failed (HTTP {status})", code="upstream_error")
+                    send,
+                    ApiError(502, f"the replica failed (HTTP {status})", code="upstream_error"),
+                    [(b"x-request-id", job.request_id.encode())] if job.request_id else None,
                 )
                 return 502
             ctype = resp.headers.get("content-type", "application/json").encode("latin-1")
             headers = [(b"content-type", ctype), (b"x-sarv-replica", replica.id.encode())]
+            if job.request_id:
+                headers.append((b"x-request-id", job.request_id.encode()))
             if not job.stream or status != 200 or not ctype.startswith(b"text/event-stream"):
                 data = await resp.read()
+                if status >= 400:
+                    data = openai_error(status, data)
+                    headers[0] = (b"content-type", b"application/json")
                 if self.output_filter is not None and status == 200 and job.filter_output:
                     data = SseRewriter(self.output_filter).rewrite_body(data)
                 usage_from(data, job.usage)
@@ -333,6 +349,51 @@ class Upstream:
             raise ApiError(
                 503, f"{model} answered without a verdict", code="moderation_unavailable"
             ) from None
+
+
+def trace_headers(scope: Scope) -> tuple[str, dict[str, str]]:
+    """The request id (the client's ``X-Request-Id`` when valid, else a new one) and the upstream call's
+    headers: the id, and ``traceparent``/``tracestate`` unchanged when the traceparent is valid W3C."""
+    rid = parent = state = None
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            rid = value
+        elif name == b"traceparent":
+            parent = value
+        elif name == b"tracestate":
+            state = value
+    request_id = rid.decode("ascii") if rid is not None and _REQUEST_ID.match(rid) else os.urandom(16).hex()
+    headers = {"content-type": "application/json", "x-request-id": request_id}
+    if parent is not None and _TRACEPARENT.match(parent) and not parent.startswith(b"ff"):
+        headers["traceparent"] = parent.decode("ascii")
+        if state is not None and len(state) <= 512 and _TRACESTATE.match(state):
+            headers["tracestate"] = state.decode("ascii")
+    return request_id, headers
+
+
+def openai_error(status: int, data: bytes) -> bytes:
+    """A replica's error answer in OpenAI's shape, its message and param kept. vLLM's ``type`` is an
+    exception name and its ``code`` the HTTP status; some versions put the fields at the top level."""
+    message = f"the replica refused the request (HTTP {status})"
+    param: str | None = None
+    code: str | None = None
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        doc = None
+    err = doc.get("error", doc) if isinstance(doc, dict) else None
+    if isinstance(err, dict):
+        if isinstance(err.get("message"), str) and err["message"]:
+            message = err["message"]
+        if isinstance(err.get("param"), str):
+            param = err["param"]
+        if isinstance(err.get("code"), str):
+            code = err["code"]
+    elif isinstance(err, str) and err:
+        message = err
+    elif doc is None and data.strip() and len(data) <= 500:
+        message = data.decode("utf-8", "replace").strip()
+    return error_body(status, message, param=param, code=code)
 
 
 def usage_from(data: bytes, usage: list[int]) -> None:

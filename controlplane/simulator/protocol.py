@@ -35,7 +35,7 @@ class _Sampling(_Body):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     user: str | None = None
 
     @field_validator("n", "stream", mode="before")
@@ -59,7 +59,7 @@ class _Sampling(_Body):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @model_validator(mode="after")
@@ -107,7 +107,7 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @property
