@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -125,8 +126,6 @@ class Deployer:
     launcher_factory: LauncherFactory
     engines: Mapping[EngineKind, Engine]
     progress: Progress | None = None
-    api_key: SecretStr | None = None
-    """Key the engines require on ``/v1/*`` (the gateway's); never stored in state."""
     python: str = "python3"
     clock: Callable[[], float] = time.time
     sleep: Callable[[float], None] = time.sleep
@@ -254,6 +253,9 @@ class Deployer:
             record = previous
         else:
             plan = self._plan(spec, model)
+            # The engine key: every replica of this deployment requires it on /v1/*; the gateway and
+            # the probes read it from the store. Kept apart from the records ``llmctl status`` prints.
+            self.store.put_engine_key(spec.name, SecretStr(secrets.token_urlsafe(32)))
             now = self.clock()
             record = DeploymentRecord(spec=spec, plan=plan, created_at=now, updated_at=now)
             todo = list(range(spec.replicas))
@@ -313,7 +315,8 @@ class Deployer:
                 port=chosen,
                 shards=rplan.shards,
                 gpu_ids=self._gpu_ids(shard0),
-                api_key=self.api_key,
+                # None for a deployment made before engine keys (it keeps running without one).
+                api_key=self.store.get_engine_key(spec.name),
                 # Remote launchers run their node's interpreter (settings.remote_python), not ours.
                 python=getattr(launcher, "python", None) or self.python,
                 max_model_len=spec.max_model_len or model.max_model_len,
@@ -366,7 +369,8 @@ class Deployer:
                         f"replica {rec.id} exited{code} during start-up: {last}",
                         hint=f"full log: {log}" if log else None,
                     )
-                if _http_check(f"{rec.endpoint}{rec.probes.ready}", self.api_key) is None:
+                key = self.store.get_engine_key(rec.deployment)
+                if _http_check(f"{rec.endpoint}{rec.probes.ready}", key) is None:
                     rec.state = ReplicaState.READY
                     rec.updated_at = self.clock()
                     rec.message = ""
@@ -408,6 +412,7 @@ class Deployer:
             self.store.delete_replica(item.record.id)
         if previous is None:
             self.store.delete_deployment(spec.name)
+            self.store.delete_engine_key(spec.name)
         else:
             self.store.put_deployment(previous)
         if errors:
@@ -447,7 +452,7 @@ class Deployer:
                 message = f"process {rec.handle.get('pid', '?')} is not running{code}"
             elif rec.endpoint and rec.state in PROBED_STATES:
                 path = probe_path(rec)
-                error = _http_check(f"{rec.endpoint}{path}", self.api_key)
+                error = _http_check(f"{rec.endpoint}{path}", self.store.get_engine_key(rec.deployment))
                 verdict = judge(rule, rec.state, rec.message, ok=error is None, error=error or "")
                 new_state, message = verdict.state, verdict.message
                 if error is None and new_state is ReplicaState.READY and proc.restarts:
@@ -481,6 +486,7 @@ class Deployer:
             self.store.delete_replica(rec.id)
             stopped.append(rec.id)
         self.store.delete_deployment(name)
+        self.store.delete_engine_key(name)
         return stopped
 
     def logs(self, replica_id: str, *, follow: bool = False, tail: int = 200) -> Iterator[str]:

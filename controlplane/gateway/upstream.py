@@ -228,7 +228,7 @@ class Upstream:
                 self._urls.clear()
             url = self._urls[(replica.endpoint, job.path)] = URL(replica.endpoint + job.path)
         async with session.post(
-            url, data=job.body, headers=_JSON_HEADERS, timeout=job.timeout or self._timeout
+            url, data=job.body, headers=replica.headers, timeout=job.timeout or self._timeout
         ) as resp:
             status = resp.status
             if status in _RETRY_STATUS:
