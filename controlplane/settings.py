@@ -80,8 +80,12 @@ class Settings(BaseSettings):
     """Extra model catalog files (YAML) or Hugging Face model directories."""
     model_cache: Path | None = None
     """Where weights land on a node (default: ``<home>/models``; the RAID-0 mount on GPU nodes)."""
-    vllm_image: str = "vllm/vllm-openai:v0.11.0"
-    """Container image of the ``vllm`` engine; pinned, pulled from the site's registry mirror."""
+    vllm_image: str | None = None
+    """Container image of the ``vllm`` engine, overriding the GPU table's (e.g. a digest from the site's
+    registry mirror, ``registry.local/vllm-openai@sha256:…``); unset: ``<vllm_image_repository>:<tag>``
+    with the tag of the replica's GPU generation (gpu_generations.yaml)."""
+    vllm_image_repository: str = "vllm/vllm-openai"
+    """Repository of the table's image tags (a registry mirror's path on an offline site)."""
     ray_version: str = "2.49.2"
     """Ray version matching ``vllm_image``, used for multi-node pipeline parallelism."""
     remote_python: str = "/opt/sarv/venv/bin/python"

@@ -215,6 +215,15 @@ class ModelSpec(_Model):
     unset: the model has no tool-call format vLLM can parse, and tool calling cannot be turned on."""
     tool_chat_template: str | None = None
     """A chat template for tool use when the model's own lacks one (a path inside the engine image)."""
+    sources: dict[Quantization, str] = Field(default_factory=dict)
+    """Weights per variant (``none: PATH_OR_URL``, ``fp8: …``): what deploy fetches for the planned one."""
+
+    @field_validator("sources")
+    @classmethod
+    def _no_auto_source(cls, v: dict[Quantization, str]) -> dict[Quantization, str]:
+        if Quantization.AUTO in v:
+            raise ValueError("sources: 'auto' is not a variant; key sources by none, fp8, int8, awq, gptq")
+        return v
 
     @model_validator(mode="after")
     def _heads(self) -> ModelSpec:
@@ -358,7 +367,11 @@ class DeploymentSpec(_Model):
     speculative: SpeculativeConfig | None = None
     """Speculative decoding (vLLM's ``--speculative-config``); None turns it off."""
     source: str | None = None
-    """Weights: a local directory or an http(s)/s3 URL with a sha256 manifest."""
+    """Weights of the planned variant: a local directory or an http(s)/s3 URL with a sha256 manifest."""
+    sources: dict[Quantization, str] = Field(default_factory=dict)
+    """Weights per variant (``--source fp8=PATH``); they win over ``source`` and the catalog's."""
+    tools: bool = False
+    """Tool calling: vLLM's auto tool choice with the catalog's tool-call parser for the model."""
     node_selector: dict[str, str] = Field(default_factory=dict)
     """Only nodes whose labels contain all these pairs."""
 
@@ -386,6 +399,13 @@ class DeploymentSpec(_Model):
             data["speculative"] = SpeculativeConfig.parse(speculative)
         return data
 
+    @field_validator("sources")
+    @classmethod
+    def _no_auto_source(cls, v: dict[Quantization, str]) -> dict[Quantization, str]:
+        if Quantization.AUTO in v:
+            raise ValueError("sources: 'auto' is not a variant; give --source VARIANT=PATH per variant")
+        return v
+
     @field_validator("engine_args")
     @classmethod
     def _engine_arg_names(cls, v: dict[str, str | int | float | bool]) -> dict[str, str | int | float | bool]:
@@ -407,6 +427,13 @@ class ReplicaPlan(_Model):
     tp: int = Field(ge=1)
     pp: int = Field(ge=1)
     quantization: Quantization = Quantization.NONE
+    dtype: Dtype | None = None
+    """Activation dtype the engine runs in: the request's, as the GPU generation allows (bf16 → fp16
+    before Ampere); None in plans recorded before the planner chose it (the request's then)."""
+    kv_cache_dtype: str | None = None
+    """vLLM's ``--kv-cache-dtype`` for this replica; None: the request's."""
+    generation: str | None = None
+    """Row of the GPU-generation table the replica's GPUs belong to (None: CPU placement)."""
     shards: list[Shard]
     per_gpu_memory_gib: float
     max_concurrency: int = Field(ge=0)

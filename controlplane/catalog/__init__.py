@@ -1,6 +1,7 @@
 """Model catalog and memory estimator: ``Catalog.load(extra).get(name) -> ModelSpec``, ``estimate(...)``."""
 
 from controlplane.catalog._catalog import Catalog, CatalogEntry, CatalogFile, spec_from_hf_config
+from controlplane.catalog._checkpoint import CheckpointFormat, checkpoint_format
 from controlplane.catalog._memory import (
     ACTIVATION_TOKENS,
     CUDA_GRAPH_MIB,
@@ -23,7 +24,9 @@ __all__ = [
     "Catalog",
     "CatalogEntry",
     "CatalogFile",
+    "CheckpointFormat",
     "MemoryEstimate",
+    "checkpoint_format",
     "count_params",
     "estimate",
     "kv_bytes_per_token",

@@ -86,7 +86,7 @@ class Generation(_Row):
 
     def dtype_for(self, requested: Dtype) -> Dtype:
         """``requested`` if the generation computes in it, else its preferred one (bf16 → fp16 on Turing)."""
-        if requested in self.dtypes:
+        if requested in self.dtypes or requested is Dtype.FP32:  # every CUDA GPU computes in fp32
             return requested
         return self.dtypes[0]
 

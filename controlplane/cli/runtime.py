@@ -81,6 +81,29 @@ def _engine_args(pairs: list[str]) -> dict[str, str | int | float | bool]:
     return out
 
 
+def _sources(values: list[str]) -> tuple[str | None, dict[Quantization, str]]:
+    """``--source PATH`` (the planned variant's) and ``--source VARIANT=PATH`` entries."""
+    plain: str | None = None
+    variants: dict[Quantization, str] = {}
+    names = {q.value for q in Quantization}
+    for value in values:
+        head, eq, tail = value.partition("=")
+        if eq and head in names:
+            variant = Quantization(head)
+            if variant is Quantization.AUTO or not tail:
+                raise UserError(
+                    f"--source {value!r}: give VARIANT=PATH with a variant of none, fp8, int8, awq, gptq"
+                )
+            if variant in variants:
+                raise UserError(f"--source {head}= is given twice")
+            variants[variant] = tail
+        elif plain is not None:
+            raise UserError("--source PATH is given twice; give other variants as VARIANT=PATH")
+        else:
+            plain = value
+    return plain, variants
+
+
 @contextmanager
 def _deployer(inventory: Path | None, *, progress: Any = None) -> Iterator[Deployer]:
     """A Deployer wired from the settings: state store, fleet, catalog, placement and launchers."""
@@ -226,9 +249,19 @@ def register(app: typer.Typer) -> None:
         ] = True,
         timeout: Annotated[float, typer.Option(help="Seconds to wait for readiness.")] = 900.0,
         source: Annotated[
-            str | None,
-            typer.Option(help="Weights: a directory or http(s)/s3 URL with a SHA256SUMS manifest."),
+            list[str] | None,
+            typer.Option(
+                help="Weights: a directory or http(s)/s3 URL with a SHA256SUMS manifest, for the planned "
+                "variant; VARIANT=PATH (e.g. fp8=/srv/llama-fp8) for one variant (repeatable)."
+            ),
         ] = None,
+        tools: Annotated[
+            bool,
+            typer.Option(
+                "--tools/--no-tools",
+                help="Tool calling (OpenAI `tools`), with the catalog's tool-call parser for the model.",
+            ),
+        ] = False,
         port: Annotated[
             int | None, typer.Option(help="First replica's port (default: any free port).")
         ] = None,
@@ -269,6 +302,7 @@ def register(app: typer.Typer) -> None:
         # --engine-arg lora-modules=… / speculative-config=… are lifted into these by DeploymentSpec.
         adapters = [a for m in lora_module or [] for a in LoraAdapter.parse_list(m)]
         speculative = SpeculativeConfig.parse(speculative_config) if speculative_config is not None else None
+        plain, per_variant = _sources(source or [])
         with ui.progress() as bar, _deployer(inventory, progress=bar.update) as deployer:
             kind = EngineKind(engine.value) if engine is not EngineChoice.AUTO else None
             if kind is None:
@@ -292,7 +326,9 @@ def register(app: typer.Typer) -> None:
                 engine_args=args,
                 lora_adapters=adapters,
                 speculative=speculative,
-                source=source,
+                source=plain,
+                sources=per_variant,
+                tools=tools,
             )
             result = deployer.deploy(spec, wait=wait, timeout=timeout, port=port)
         if output is StatusFormat.JSON:

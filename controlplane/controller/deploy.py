@@ -11,6 +11,8 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from controlplane.catalog import checkpoint_format
+from controlplane.catalog.compat import CompatTable, Generation, load_compat
 from controlplane.controller.health import PROBED_STATES, HealthRule, judge, probe_path
 from controlplane.engines.base import Engine, ReplicaContext, check_engine_args
 from controlplane.errors import LaunchError, NotFoundError, PlacementError, SarvError, UserError, WeightsError
@@ -25,13 +27,14 @@ from controlplane.spec import (
     ModelSpec,
     Node,
     Plan,
+    Quantization,
     ReplicaPlan,
     ReplicaRecord,
     ReplicaState,
     Shard,
 )
 from controlplane.state.base import StateStore
-from controlplane.weights import WeightsPolicy
+from controlplane.weights import WeightsPolicy, read_source_json
 from controlplane.weights.tiny import TINY_MODEL_NAME
 
 __all__ = ["DeployResult", "Deployer", "ModelCatalog", "Observation", "Planner", "default_engines"]
@@ -103,6 +106,15 @@ class Observation:
     """Why the probe failed; None when it passed (or nothing was probed)."""
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """What the checks before any copy settled for one replica: its weights, vLLM method and image."""
+
+    source: str | None
+    quantization_method: str | None
+    image: str | None
+
+
 @dataclass
 class _Launched:
     record: ReplicaRecord
@@ -131,6 +143,8 @@ class Deployer:
     sleep: Callable[[float], None] = time.sleep
     group_launcher_factory: GroupLauncherFactory | None = None
     """For replicas whose shards span several nodes; None refuses such plans with a clear error."""
+    compat: CompatTable = field(default_factory=load_compat)
+    """The GPU-generation table: which variants each replica's GPUs run, and the engine image."""
     _launchers: dict[str, Launcher] = field(default_factory=dict)
 
     # --- helpers
@@ -189,10 +203,12 @@ class Deployer:
         except LaunchError:
             return None
 
-    def _model_source(self, spec: DeploymentSpec, model: ModelSpec) -> str:
-        if spec.source:
-            return spec.source
-        if model.name == TINY_MODEL_NAME:
+    def _model_source(self, spec: DeploymentSpec, model: ModelSpec, variant: Quantization) -> str:
+        """The weights of ``variant``: ``--source VARIANT=…``, then ``--source …``, then the catalog's."""
+        chosen = spec.sources.get(variant) or spec.source or model.sources.get(variant)
+        if chosen:
+            return chosen
+        if model.name == TINY_MODEL_NAME and variant is Quantization.NONE:
             # The tiny model is generated, never downloaded: deterministic, so every node gets the
             # same bytes (and the same manifest digest in the cache).
             from controlplane.weights.tiny import generate_tiny_model
@@ -203,9 +219,83 @@ class Deployer:
                 generate_tiny_model(src)
             return str(src)
         raise WeightsError(
-            f"no weights source for model {model.name}",
-            hint="pass --source DIR or an http(s)/s3 URL of a directory with a SHA256SUMS manifest",
+            f"no weights source for the {variant.value} variant of {model.name}",
+            hint=f"pass --source {variant.value}=DIR (or an http(s)/s3 URL with a SHA256SUMS manifest), "
+            f"or add sources.{variant.value} to the model's catalog entry",
         )
+
+    # --- checks before anything is copied or started
+
+    def _preflight(
+        self, spec: DeploymentSpec, model: ModelSpec, plan: Plan, todo: list[int]
+    ) -> dict[int, _Prepared]:
+        """Every refusal a deploy can meet before it copies a byte: tool calling without a parser, GPUs
+        that cannot run the planned variant, a replica spanning generations with different images, a
+        missing source or one whose config.json is another variant."""
+        if spec.tools and model.tool_call_parser is None:
+            raise UserError(
+                f"{model.name} has no tool-call parser in the catalog, so tool calling cannot be turned on",
+                hint="deploy without --tools, or give the model's catalog entry a tool_call_parser",
+            )
+        engine = self.engines.get(spec.engine)
+        sources: dict[Quantization, tuple[str, str | None]] = {}
+        out: dict[int, _Prepared] = {}
+        for index in todo:
+            rp = plan.replicas[index]
+            rows = self._rows(rp, index)
+            image = None
+            if spec.engine is EngineKind.VLLM:
+                image = self.settings.vllm_image or self.compat.image_for(
+                    rows, self.settings.vllm_image_repository
+                )
+            source = method = None
+            if engine is not None and engine.needs_weights:
+                if rp.quantization not in sources:
+                    sources[rp.quantization] = self._checked_source(spec, model, rp.quantization)
+                source, method = sources[rp.quantization]
+            out[index] = _Prepared(source=source, quantization_method=method, image=image)
+        return out
+
+    def _rows(self, rp: ReplicaPlan, index: int) -> list[Generation]:
+        """The table rows of the replica's GPUs; each must run the planned variant."""
+        rows: dict[str, Generation] = {}
+        for shard in rp.shards:
+            if not shard.gpus:
+                continue
+            try:
+                node = self.fleet.node(shard.node)
+            except KeyError:
+                continue
+            for gpu in node.gpus:
+                if gpu.index not in shard.gpus:
+                    continue
+                row = self.compat.generation_for(gpu)
+                if not row.supports(rp.quantization):
+                    raise UserError(
+                        f"replica {index}: {shard.node} GPU {gpu.index} ({gpu.model}) cannot run the "
+                        f"{rp.quantization.value} variant: {row.why_not(rp.quantization)}",
+                        hint="plan again (llmctl plan --explain), or choose a variant with --quantization",
+                    )
+                rows[row.name] = row
+        return list(rows.values())
+
+    def _checked_source(
+        self, spec: DeploymentSpec, model: ModelSpec, variant: Quantization
+    ) -> tuple[str, str | None]:
+        """The source of ``variant`` and vLLM's method for it, read from its config.json (not copied)."""
+        source = self._model_source(spec, model, variant)
+        config = read_source_json(source)
+        if config is None:
+            return source, None
+        fmt = checkpoint_format(config)
+        if fmt.quantization is not variant:
+            held = fmt.quantization.value if fmt.quantization is not None else "unknown"
+            raise WeightsError(
+                f"weights source {source} holds the {held} variant ({fmt.describe()}), "
+                f"but the plan runs {model.name}'s {variant.value} variant",
+                hint=f"give the {variant.value} weights with --source {variant.value}=PATH",
+            )
+        return source, fmt.method
 
     def _plan(self, spec: DeploymentSpec, model: ModelSpec) -> Plan:
         placed = [s for r in self.store.list_replicas() if r.deployment != spec.name for s in r.shards]
@@ -240,6 +330,7 @@ class Deployer:
             running = ready | {item.record.index for item in loading}
             plan = previous.plan
             todo = [i for i in range(spec.replicas) if i not in running]
+            prepared = self._preflight(spec, model, plan, todo)
             if not todo:
                 if wait and loading:
                     self._await_ready(spec, loading, timeout)
@@ -253,17 +344,20 @@ class Deployer:
             record = previous
         else:
             plan = self._plan(spec, model)
+            todo = list(range(spec.replicas))
+            prepared = self._preflight(spec, model, plan, todo)
             # The engine key: every replica of this deployment requires it on /v1/*; the gateway and
             # the probes read it from the store. Kept apart from the records ``llmctl status`` prints.
             self.store.put_engine_key(spec.name, SecretStr(secrets.token_urlsafe(32)))
             now = self.clock()
             record = DeploymentRecord(spec=spec, plan=plan, created_at=now, updated_at=now)
-            todo = list(range(spec.replicas))
 
         self.store.put_deployment(record)  # desired state first: a crash from here on is visible
         launched: list[_Launched] = []
         try:
-            self._launch_all(spec, model=model, plan=plan, todo=todo, port=port, launched=launched)
+            self._launch_all(
+                spec, model=model, plan=plan, todo=todo, port=port, launched=launched, prepared=prepared
+            )
             if wait:
                 self._await_ready(spec, [*launched, *loading], timeout)
         except BaseException as exc:
@@ -281,6 +375,7 @@ class Deployer:
         todo: list[int],
         port: int | None,
         launched: list[_Launched],
+        prepared: dict[int, _Prepared],
     ) -> None:
         engine = self.engines.get(spec.engine)
         if engine is None:
@@ -291,9 +386,10 @@ class Deployer:
             shard0 = min(rplan.shards, key=lambda s: s.pp_rank)
             launcher = self._replica_launcher(rplan.shards)
             model_dir = None
+            ready = prepared[index]
             if engine.needs_weights:
                 if shard0.node not in weights:
-                    source = self._model_source(spec, model)
+                    source = ready.source or self._model_source(spec, model, rplan.quantization)
                     self._say("weights", f"weights: verifying {model.name} on {shard0.node}")
                     path = launcher.ensure_weights(
                         source,
@@ -314,12 +410,20 @@ class Deployer:
                 host=launcher.host,
                 port=chosen,
                 shards=rplan.shards,
-                gpu_ids=self._gpu_ids(shard0),
+                # Every GPU of the replica on the pp-rank-0 node: all its stages when pp stays in one node.
+                gpu_ids=[g for s in rplan.shards if s.node == shard0.node for g in self._gpu_ids(s)],
                 # None for a deployment made before engine keys (it keeps running without one).
                 api_key=self.store.get_engine_key(spec.name),
                 # Remote launchers run their node's interpreter (settings.remote_python), not ours.
                 python=getattr(launcher, "python", None) or self.python,
                 max_model_len=spec.max_model_len or model.max_model_len,
+                gpu_memory_mib=self._gpu_memory_mib(shard0),
+                planned_gpu_memory_mib=round(rplan.per_gpu_memory_gib * 1024) or None,
+                replica=rplan,
+                quantization_method=ready.quantization_method,
+                image=ready.image,
+                tool_call_parser=model.tool_call_parser if spec.tools else None,
+                tool_chat_template=model.tool_chat_template if spec.tools else None,
             )
             launch = engine.build(ctx)
             now = self.clock()
@@ -342,6 +446,15 @@ class Deployer:
             rec.handle = launcher.start(replica_id, launch)
             launched.append(_Launched(rec, launcher))
             self.store.put_replica(rec)
+
+    def _gpu_memory_mib(self, shard: Shard) -> int | None:
+        """The smallest memory among the shard's GPUs (what the engine's budget must fit)."""
+        try:
+            node = self.fleet.node(shard.node)
+        except KeyError:
+            return None
+        sizes = [g.memory_total_mib for g in node.gpus if g.index in shard.gpus]
+        return min(sizes) if sizes else None
 
     def _gpu_ids(self, shard: Shard) -> list[str]:
         try:

@@ -8,16 +8,26 @@ from typing import Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from controlplane.errors import UserError
-from controlplane.spec import DeploymentSpec, EngineKind, ProbePaths, Shard
+from controlplane.spec import DeploymentSpec, EngineKind, ProbePaths, Quantization, ReplicaPlan, Shard
 
 __all__ = [
     "SARV_ENGINE_ARGS",
+    "VLLM_QUANTIZATION",
     "Engine",
     "EngineLaunch",
     "ReplicaContext",
     "check_engine_args",
     "vllm_server_args",
 ]
+
+VLLM_QUANTIZATION: dict[Quantization, str] = {
+    Quantization.FP8: "fp8",
+    Quantization.INT8: "compressed-tensors",
+    Quantization.AWQ: "awq",
+    Quantization.GPTQ: "gptq",
+}
+"""vLLM's ``--quantization`` for each variant when the checkpoint's own ``quant_method`` is not known
+(int8 checkpoints are W8A8 compressed-tensors ones); deploy passes the checkpoint's method instead."""
 
 # engine_args keys Sarv consumes itself; they are policy switches, not engine flags.
 SARV_ENGINE_ARGS = frozenset({"allow_pickle_weights", "kv_cache_space_gib", "omp_threads_bind"})
@@ -38,6 +48,8 @@ _MANAGED_ARGS = frozenset(
         "kv_cache_dtype",
         "dtype",
         "trust_remote_code",
+        "enable_auto_tool_choice",
+        "tool_call_parser",
     }
 )
 
@@ -66,6 +78,21 @@ class ReplicaContext(BaseModel):
     """Interpreter for process engines (the launcher's own venv on this host)."""
     max_model_len: int | None = None
     """Context length after the catalog's default was applied."""
+    gpu_memory_mib: int | None = Field(default=None, gt=0)
+    """Memory of each GPU of the pp-rank-0 node, as the fleet declares or discovered it."""
+    planned_gpu_memory_mib: int | None = Field(default=None, gt=0)
+    """Per-GPU memory the plan gives this replica (weights, KV cache, overhead)."""
+    replica: ReplicaPlan | None = None
+    """The recorded plan of this replica: its tp, pp, variant, dtype and KV-cache dtype are what the
+    engine runs (None: the request's, for callers without a plan)."""
+    quantization_method: str | None = None
+    """vLLM's ``--quantization`` value read from the checkpoint's ``quantization_config.quant_method``."""
+    image: str | None = None
+    """Engine image for this replica's GPU generation (container engines)."""
+    tool_call_parser: str | None = None
+    """vLLM's ``--tool-call-parser`` when the deployment turns tool calling on."""
+    tool_chat_template: str | None = None
+    """``--chat-template`` for tool use, where the catalog gives one."""
 
 
 class EngineLaunch(BaseModel):
@@ -105,9 +132,27 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _tool_args(ctx: ReplicaContext) -> list[str]:
+    """vLLM's auto tool choice with the catalog's parser (and chat template) when tools are on."""
+    if not ctx.spec.tools:
+        return []
+    if ctx.tool_call_parser is None:
+        raise UserError(f"deployment {ctx.spec.name}: tool calling needs the model's tool-call parser")
+    args = ["--enable-auto-tool-choice", "--tool-call-parser", ctx.tool_call_parser]
+    if ctx.tool_chat_template:
+        args += ["--chat-template", ctx.tool_chat_template]
+    return args
+
+
 def vllm_server_args(ctx: ReplicaContext, *, model_path: str, host: str, port: int) -> list[str]:
     """vLLM OpenAI-server flags for a deployment (shared by the container and the CPU process engines)."""
     spec = ctx.spec
+    rp = ctx.replica
+    tp = rp.tp if rp is not None else spec.tp
+    pp = rp.pp if rp is not None else spec.pp or 1
+    quant = rp.quantization if rp is not None else spec.quantization
+    dtype = rp.dtype if rp is not None and rp.dtype is not None else spec.dtype
+    kv = rp.kv_cache_dtype if rp is not None and rp.kv_cache_dtype is not None else spec.kv_cache_dtype
     args = [
         "--model",
         model_path,
@@ -118,22 +163,21 @@ def vllm_server_args(ctx: ReplicaContext, *, model_path: str, host: str, port: i
         "--port",
         str(port),
         "--tensor-parallel-size",
-        str(spec.tp),
+        str(tp),
         "--pipeline-parallel-size",
-        str(spec.pp or 1),
+        str(pp),
         "--dtype",
-        spec.dtype.value,
+        dtype.value,
     ]
     max_len = ctx.max_model_len or spec.max_model_len
     if max_len:
         args += ["--max-model-len", str(max_len)]
-    if spec.quantization.value in {"awq", "gptq", "fp8"}:
-        args += ["--quantization", spec.quantization.value]
-    elif spec.quantization.value == "int8":
-        # vLLM reads int8 schemes (compressed-tensors, bitsandbytes) from the checkpoint's config.
-        pass
-    if spec.kv_cache_dtype != "auto":
-        args += ["--kv-cache-dtype", spec.kv_cache_dtype]
+    method = ctx.quantization_method or VLLM_QUANTIZATION.get(quant)
+    if method is not None and quant is not Quantization.NONE:
+        args += ["--quantization", method]
+    if kv != "auto":
+        args += ["--kv-cache-dtype", kv]
+    args += _tool_args(ctx)
     extra = spec.engine_args
     if extra.get("trust_remote_code") is True:
         args.append("--trust-remote-code")
@@ -166,6 +210,8 @@ def check_engine_args(spec: DeploymentSpec) -> None:
         "quantization": "--quantization",
         "kv_cache_dtype": "--kv-cache-dtype",
         "dtype": "--dtype",
+        "enable_auto_tool_choice": "--tools",
+        "tool_call_parser": "--tools (the catalog's parser for the model)",
     }
     for key in spec.engine_args:
         if key in instead:

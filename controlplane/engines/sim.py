@@ -10,6 +10,31 @@ from controlplane.spec import EngineKind
 __all__ = ["SimEngine"]
 
 
+def _gpu_stand_in_args(ctx: ReplicaContext) -> list[str]:
+    spec = ctx.spec
+    shard0 = min(ctx.shards, key=lambda s: s.pp_rank) if ctx.shards else None
+    here = sum(1 for s in ctx.shards if shard0 is not None and s.node == shard0.node) or None
+    args = [
+        "--tensor-parallel-size",
+        str(spec.tp),
+        "--pipeline-parallel-size",
+        str(spec.pp or 1),
+        "--gpu-memory-utilization",
+        str(spec.gpu_memory_utilization),
+        "--dtype",
+        spec.dtype.value,
+    ]
+    if here is not None:
+        args += ["--local-pipeline-stages", str(here)]
+    if spec.quantization.value not in {"auto", "none"}:
+        args += ["--quantization", spec.quantization.value]
+    if ctx.gpu_memory_mib is not None:
+        args += ["--gpu-memory-mib", str(ctx.gpu_memory_mib)]
+    if ctx.planned_gpu_memory_mib is not None:
+        args += ["--planned-gpu-memory-mib", str(ctx.planned_gpu_memory_mib)]
+    return args
+
+
 @dataclass(frozen=True)
 class SimEngine:
     """Runs the simulator with the deployment's name and options; used only where ``sim`` was asked for.
@@ -38,6 +63,10 @@ class SimEngine:
             argv += ["--max-model-len", str(ctx.spec.max_model_len)]
         if ctx.model_dir is not None:
             argv += ["--model", str(ctx.model_dir)]
+        if ctx.gpu_ids:
+            # What vLLM checks at start-up against its GPUs (controlplane.simulator.gpu); engine args
+            # come after, so a rehearsal can shrink the fake GPU (--engine-arg gpu_memory_mib=…).
+            argv += _gpu_stand_in_args(ctx)
         # Simulator options (failure injection, latency profile …) pass through as --kebab-case flags.
         for key, value in sorted(ctx.spec.engine_args.items()):
             if key in SARV_ENGINE_ARGS:
@@ -52,8 +81,7 @@ class SimEngine:
             argv += ["--lora-modules", *(a.as_module() for a in ctx.spec.lora_adapters)]
         env = {"SARV_SIM": "1"}
         if ctx.gpu_ids:
-            # Placed on GPUs as a stand-in for vllm: the GPUs it was given, as vLLM would see them. The
-            # simulator uses no GPU, so this only tells the process (and its unit) what it rehearses.
+            # Placed on GPUs as a stand-in for vllm: the GPUs it was given, as vLLM would see them.
             env["CUDA_VISIBLE_DEVICES"] = ",".join(ctx.gpu_ids)
         secret_env = {"VLLM_API_KEY": ctx.api_key} if ctx.api_key is not None else {}
         return EngineLaunch(argv=argv, env=env, secret_env=secret_env, port=ctx.port)

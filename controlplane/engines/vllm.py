@@ -24,7 +24,8 @@ class VllmEngine:
     env file, so it never appears in ``ps`` or ``docker inspect``'s command line.
     """
 
-    image: str
+    image: str | None = None
+    """Fallback image when the replica's context names none (deploy picks one per GPU generation)."""
     selinux_type: str = "container_t"
     """``container_t``, or the NVIDIA container policy's type (``nvidia_container_t``) where installed."""
     restart: str = "on-failure:5"
@@ -51,7 +52,11 @@ class VllmEngine:
             raise LaunchError(f"replica {ctx.replica_id}: no verified weights directory to mount")
         if not ctx.gpu_ids:
             raise LaunchError(f"replica {ctx.replica_id}: the plan gives it no GPUs")
-        tp_pp = ctx.spec.tp * (ctx.spec.pp or 1)
+        image = ctx.image or self.image
+        if not image:
+            raise LaunchError(f"replica {ctx.replica_id}: no engine image (set vllm_image)")
+        rp = ctx.replica
+        tp_pp = rp.tp * rp.pp if rp is not None else ctx.spec.tp * (ctx.spec.pp or 1)
         if len(ctx.gpu_ids) != tp_pp:
             raise LaunchError(
                 f"replica {ctx.replica_id}: {len(ctx.gpu_ids)} GPUs planned for tp×pp = {tp_pp}"
@@ -111,7 +116,7 @@ class VllmEngine:
         if ctx.env_file is not None and secret_env:
             argv += ["--env-file", str(ctx.env_file)]
         # An explicit entrypoint: images switched from the module to `vllm serve` across versions.
-        argv += ["--entrypoint", "python3", self.image, "-m", "vllm.entrypoints.openai.api_server"]
+        argv += ["--entrypoint", "python3", image, "-m", "vllm.entrypoints.openai.api_server"]
         argv += vllm_server_args(ctx, model_path=str(mount), host="0.0.0.0", port=_CONTAINER_PORT)  # noqa: S104
         # GPU only: the CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE instead.
         argv += ["--gpu-memory-utilization", str(ctx.spec.gpu_memory_utilization)]

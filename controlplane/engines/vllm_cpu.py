@@ -54,7 +54,8 @@ class VllmCpuEngine:
             # GiB of KV cache; vLLM's CPU default (4) is too much for a small shared host.
             "VLLM_CPU_KVCACHE_SPACE": str(extra.get("kv_cache_space_gib", 1)),
         }
-        workers = ctx.spec.tp * (ctx.spec.pp or 1)
+        rp = ctx.replica
+        workers = rp.tp * rp.pp if rp is not None else ctx.spec.tp * (ctx.spec.pp or 1)
         if "omp_threads_bind" in extra:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(extra["omp_threads_bind"])
         elif workers > 1:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.catalog import MemoryEstimate, estimate
+from controlplane.catalog.compat import CompatTable, Generation, load_compat
 from controlplane.errors import UserError
 from controlplane.placement._index import LINK_NAMES, NVLINK, FleetIndex, GpuType, Slot
 from controlplane.placement._pipeline import (
@@ -23,6 +24,7 @@ from controlplane.placement._pipeline import (
 )
 from controlplane.spec import (
     DeploymentSpec,
+    Dtype,
     Fleet,
     ModelSpec,
     Plan,
@@ -140,8 +142,12 @@ class Planner:
         filters: Sequence[SlotFilter] | None = None,
         scorers: Sequence[Scorer] | None = None,
         window: int = WINDOW,
+        compat: CompatTable | None = None,
     ) -> None:
         self.fleet = fleet
+        self.compat = compat if compat is not None else load_compat()
+        self._rows: dict[GpuType, Generation | str] = {}
+        self._why_not: dict[tuple[GpuType, Quantization, str], str] = {}
         self.index = FleetIndex(fleet, placed, utilization=utilization)
         self.filters = list(filters) if filters is not None else default_filters()
         self._scorers = list(scorers) if scorers is not None else None
@@ -194,6 +200,8 @@ class Planner:
             job = _job(spec, model, length, quant)
             counts: dict[GpuType, int] = {}
             for gpu_type in self.index.gpu_types():
+                if self._incompatible(job, gpu_type):
+                    continue
                 pp = spec.pp or self._pp_min(job, gpu_type)
                 if pp and self._fits(job, gpu_type, pp):
                     counts[gpu_type] = spec.tp * pp
@@ -258,6 +266,7 @@ class Planner:
         attempt = _Attempt(quantization=job.quant)
         used: set[str] = set(avoid)
         layouts_noted: set[tuple[int, bool]] = set()
+        rows_noted: set[str] = set()
         for i in range(spec.replicas):
             found = self._place_one(job, used, max_gpus=max_gpus)
             if found is None:
@@ -269,11 +278,16 @@ class Planner:
                 self.index.take(slot, gpus)
                 used.add(slot.name)
             est = cand.estimate
+            row = self._row(cand.stages[0][0].gpu_type)
+            gen = row if isinstance(row, Generation) else None
             attempt.replicas.append(
                 ReplicaPlan(
                     tp=est.tp,
                     pp=est.pp,
                     quantization=job.quant,
+                    dtype=gen.dtype_for(spec.dtype) if gen is not None else spec.dtype,
+                    kv_cache_dtype=spec.kv_cache_dtype,
+                    generation=gen.name if gen is not None else None,
                     shards=[
                         Shard(node=slot.name, gpus=list(gpus), pp_rank=rank)
                         for rank, (slot, gpus) in enumerate(cand.stages)
@@ -285,7 +299,59 @@ class Planner:
             if (est.pp, across) not in layouts_noted:
                 layouts_noted.add((est.pp, across))
                 attempt.notes.append(self._layout_note(job, cand, across=across, replica=i))
+            if gen is not None and gen.name not in rows_noted:
+                rows_noted.add(gen.name)
+                attempt.notes.append(self._row_note(job, cand.stages[0][0].gpu_type, gen))
         return attempt
+
+    # --- the GPU-generation table
+
+    def _row(self, t: GpuType) -> Generation | str:
+        """The table row of GPU type ``t`` (looked up once per type), or why there is none."""
+        hit = self._rows.get(t)
+        if hit is None:
+            gpu = next(
+                g for s in self.index.slots if s.gpu_type == t for g in s.node.gpus if g.model == t.model
+            )
+            try:
+                hit = self.compat.generation_for(gpu)
+            except UserError as exc:
+                hit = str(exc)
+            self._rows[t] = hit
+        return hit
+
+    def _incompatible(self, job: _Job, t: GpuType) -> str:
+        """Why GPUs of type ``t`` cannot run ``job``'s variant and KV-cache dtype (empty when they can)."""
+        key = (t, job.quant, job.spec.kv_cache_dtype)
+        hit = self._why_not.get(key)
+        if hit is None:
+            row = self._row(t)
+            if isinstance(row, str):
+                hit = row
+            elif not row.supports(job.quant):
+                hit = f"{row.why_not(job.quant)} (GPU table row {row.name})"
+            elif job.spec.kv_cache_dtype not in row.kv_cache_dtypes:
+                have = ", ".join(row.kv_cache_dtypes)
+                hit = (
+                    f"{row.name} GPUs have no {job.spec.kv_cache_dtype} KV cache (--kv-cache-dtype: {have}; "
+                    f"GPU table row {row.name})"
+                )
+            else:
+                hit = ""
+            self._why_not[key] = hit
+        return hit
+
+    def _row_note(self, job: _Job, t: GpuType, row: Generation) -> str:
+        dtype = row.dtype_for(job.spec.dtype)
+        line = (
+            f"GPU table: {t.model} is row {row.name} (compute capability {row.compute_capability.min}-"
+            f"{row.compute_capability.max}): {job.quant.value} weights, dtype {dtype.value}, "
+            f"KV cache {job.spec.kv_cache_dtype}, image tag {row.image.tag} (CUDA {row.image.cuda}, driver "
+            f"{row.image.driver_branch}+)"
+        )
+        if dtype is not job.spec.dtype and job.spec.dtype is not Dtype.AUTO:
+            line += f"; {job.spec.dtype.value} becomes {dtype.value}: {row.name} GPUs do not compute in it"
+        return line
 
     def _layouts(self, job: _Job) -> Iterator[tuple[int, bool]]:
         """(pp, across nodes) to try, in order: the user's pp, else one node at the smallest pp that
@@ -315,7 +381,7 @@ class Planner:
                 continue
             fitting: dict[GpuType, MemoryEstimate] = {}
             for t in types:
-                if not self._could_fit(job, t, pp):
+                if self._incompatible(job, t) or not self._could_fit(job, t, pp):
                     continue
                 if across_nodes:
                     if self.index.count_with_free(t, tp) < pp:
@@ -502,6 +568,16 @@ class Planner:
         per_node: list[tuple[str, str]] = []
         summaries: list[str] = []
         for t in self.index.gpu_types():
+            why_not = self._incompatible(job, t)
+            if why_not:
+                slots_t = [s for s in self.index.slots if s.gpu_type == t]
+                selector = next((f for f in self.filters if f.name == "selector"), None)
+                if selector is not None:
+                    ctx0 = PlacementContext(spec, job.model, tp, 1, False, {}, set())
+                    slots_t, why = selector(slots_t, ctx0)
+                    per_node.extend((line.split(":", 1)[0], line) for line in why)
+                per_node.extend((s.name, f"{s.name}: {t}: {why_not}") for s in slots_t)
+                continue
             pp, across = self._reason_layout(job, t)
             est = self._estimate(job, t, pp)
             ctx = PlacementContext(spec, job.model, tp, pp, across, {t: est}, set())

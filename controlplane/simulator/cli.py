@@ -21,12 +21,7 @@ __all__ = ["build_parser", "config_args", "main", "parse_config"]
 
 # vLLM options with no meaning for a simulator (hardware, weights, parallelism).
 _IGNORED_VALUE_OPTIONS = (
-    "--dtype",
-    "--tensor-parallel-size",
-    "--pipeline-parallel-size",
-    "--gpu-memory-utilization",
     "--kv-cache-dtype",
-    "--quantization",
     "--max-num-batched-tokens",
     "--max-loras",
     "--max-lora-rank",
@@ -120,6 +115,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         sys.stderr.write(f"error: {err}\n")
         return err.exit_code
+    from controlplane.simulator.gpu import GpuCheckError, check_gpu_stand_in
+
+    try:
+        check_gpu_stand_in(config, os.environ)
+    except GpuCheckError as err:
+        # vLLM's way: the exception on stderr, then a non-zero exit before the server listens.
+        sys.stderr.write(f"ERROR sim: {type(err.cause).__name__}: {err.cause}\n")
+        return 1
 
     import uvicorn
 

@@ -74,6 +74,19 @@ class SimConfig(BaseModel):
     slow_start_s: float = Field(default=0.0, ge=0.0, le=3600.0)
     """Answer 503 on ``/health`` and ``/v1/*`` for this long after start, like an engine still loading."""
     embedding_dim: int = Field(default=384, ge=1, le=16384)
+    # --- standing in for a GPU engine (checked at start-up by ``controlplane.simulator.gpu``)
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    pipeline_parallel_size: int = Field(default=1, ge=1, le=64)
+    local_pipeline_stages: int | None = Field(default=None, ge=1, le=64)
+    """Pipeline stages this process runs on its node (pp across nodes); unset: all of them."""
+    gpu_memory_mib: int | None = Field(default=None, gt=0)
+    """Memory of each fake GPU (the node's declared GPU memory); unset: no memory check."""
+    planned_gpu_memory_mib: int | None = Field(default=None, gt=0)
+    """Memory the plan gives each GPU (weights + KV cache + overhead)."""
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    quantization: str | None = None
+    """vLLM's ``--quantization``; checked against the weights' ``config.json`` when ``--model`` has one."""
+    dtype: str = "auto"
 
     @model_validator(mode="after")
     def _consistent(self) -> SimConfig:

@@ -28,6 +28,7 @@ __all__ = [
     "WeightsPolicy",
     "ensure_weights",
     "read_manifest",
+    "read_source_json",
     "sha256_file",
     "verify_dir",
     "write_manifest",
@@ -260,6 +261,37 @@ def _land(
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
+
+
+def read_source_json(
+    source: str, name: str = "config.json", *, timeout: float = 60.0
+) -> dict[str, object] | None:
+    """One JSON file of ``source`` (a directory or an http(s)/s3 URL), read without copying anything;
+    None when the source has no such file."""
+    if source.startswith(("http://", "https://", "s3://")):
+        url = f"{_http_base(source)}/{name}"
+        try:
+            with _http_body(url, timeout) as body:
+                text = b"".join(iter(body.read, b"")).decode(errors="replace")
+        except WeightsError as exc:
+            if "HTTP 404" in str(exc):
+                return None
+            raise
+        where = url
+    else:
+        path = Path(source).expanduser() / name
+        if not path.is_file():
+            return None
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise WeightsError(f"cannot read {path}: {exc}") from None
+        where = str(path)
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise WeightsError(f"{where} is not valid JSON: {exc}") from None
+    return data if isinstance(data, dict) else None
 
 
 def ensure_weights(

@@ -26,7 +26,7 @@ def parse(argv: list[str]) -> Any:
 
 def test_smoke_deploy_argv_is_accepted_by_llmctl() -> None:
     ctx = parse(deploy_argv("llama-3-8b", "smoke-x", "/srv/weights/llama-3-8b"))
-    assert ctx.params["source"] == "/srv/weights/llama-3-8b"
+    assert ctx.params["source"] == ["/srv/weights/llama-3-8b"]
     assert ctx.params["engine"].value == "vllm"
 
 

@@ -1,4 +1,4 @@
-"""The gateway presents each deployment's engine key to its replicas; a replica without one is reached as before."""
+"""The gateway presents each deployment's engine key to its replicas; keyless ones are reached as before."""
 
 from __future__ import annotations
 

@@ -103,4 +103,27 @@ async def test_openai_client_against_real_vllm(vllm_tiny, gateway_factory):
     assert over.value.code == "context_length_exceeded"
     async with openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0, timeout=120) as aclient:
         await _exercise_async(aclient, vllm_tiny.model)
+    # Deployed with --tools: a request with tools is accepted and answered (the random model's output
+    # need not be a tool call).
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+    answer = client.chat.completions.create(
+        model=vllm_tiny.model,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[weather],  # type: ignore[list-item]
+        tool_choice="auto",
+        max_tokens=8,
+    )
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].finish_reason in {"stop", "length", "tool_calls"}
     store.close()

@@ -45,7 +45,7 @@ def test_free_gpu_reason_names_node_count_and_memory() -> None:
 
 
 def test_memory_reason_has_the_numbers() -> None:
-    fleet = Fleet(nodes=[node("c1", "RTX-3080", 2, 10240)])
+    fleet = Fleet(nodes=[node("c1", "GeForce RTX 3080", 2, 10240)])
     p = plan(fleet, spec(tp=2, pp=1), CAT.get("llama-3-8b"))
     (line,) = [r for r in p.reasons if r.startswith("c1:")]
     assert "9.0 GiB usable per GPU (0.90 × 10.0 GiB)" in line

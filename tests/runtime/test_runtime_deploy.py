@@ -155,7 +155,7 @@ def test_port_in_use(env: LlmctlEnv) -> None:
 def test_missing_weights(env: LlmctlEnv, tmp_path: Path) -> None:
     out = env.llmctl("deploy", "llama-3-8b", "--engine", "vllm-cpu")
     assert out.returncode == 6, out.stderr
-    assert "no weights source for model" in out.stderr
+    assert "no weights source for the none variant of llama-3-8b" in out.stderr
     out = env.llmctl("deploy", "sarv-tiny", "--engine", "vllm-cpu", "--source", str(tmp_path / "nowhere"))
     assert out.returncode == 6
     assert "is not a directory" in out.stderr

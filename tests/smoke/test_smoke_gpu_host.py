@@ -8,15 +8,33 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_provisioned]
 
-DRIVER_BRANCH = os.environ.get("SARV_SMOKE_DRIVER_BRANCH", "550")
-CUDA_VERSION = os.environ.get("SARV_SMOKE_CUDA_VERSION", "12.4")
+
+def _table_row() -> Any:
+    """This host's row of the GPU-generation table (what the driver and CUDA roles installed by default)."""
+    from controlplane.catalog.compat import load_compat
+    from controlplane.fleet.nvidia_smi import gpus_from_nvidia_smi, query_argv, topology_argv
+
+    query = subprocess.run(query_argv(), capture_output=True, text=True, timeout=120, check=False)
+    topo = subprocess.run(topology_argv(), capture_output=True, text=True, timeout=120, check=False)
+    gpus = gpus_from_nvidia_smi(query.stdout, topo.stdout, host="localhost")
+    return load_compat().generation_for(gpus[0])
+
+
+def _setting(name: str, pick: Any) -> str:
+    return os.environ.get(name) or str(pick(_table_row()))
+
+
+DRIVER_BRANCH = os.environ.get("SARV_SMOKE_DRIVER_BRANCH", "")
+CUDA_VERSION = os.environ.get("SARV_SMOKE_CUDA_VERSION", "")
 MODEL_CACHE = Path(os.environ.get("SARV_SMOKE_MODEL_CACHE", "/var/lib/sarv/models"))
 SYSCTL_FILE = Path(os.environ.get("SARV_SMOKE_SYSCTL_FILE", "/etc/sysctl.d/60-sarv-net.conf"))
 
@@ -37,9 +55,11 @@ def image() -> str:
     configured = os.environ.get("SARV_SMOKE_IMAGE")
     if configured:
         return configured
+    from controlplane.catalog.compat import load_compat
     from controlplane.settings import Settings
 
-    return Settings().vllm_image
+    settings = Settings()
+    return settings.vllm_image or load_compat().image_for([_table_row()], settings.vllm_image_repository)
 
 
 def test_nvidia_smi_lists_gpus() -> None:
@@ -51,36 +71,27 @@ def test_nvidia_smi_lists_gpus() -> None:
         assert int(float(memory)) > 1024
 
 
-def test_driver_is_the_pinned_branch() -> None:
+def test_driver_is_the_pinned_branch(smoke_facts: dict[str, Any]) -> None:
+    branch = DRIVER_BRANCH or _setting("SARV_SMOKE_DRIVER_BRANCH", lambda r: r.image.driver_branch)
     drivers = {row[2] for row in gpu_rows()}
     assert len(drivers) == 1, drivers
     (driver,) = drivers
-    assert driver.split(".")[0] == DRIVER_BRANCH, f"driver {driver}, expected branch {DRIVER_BRANCH}"
+    smoke_facts["driver (wanted branch)"] = f"{driver} ({branch})"
+    assert driver.split(".")[0] == branch, f"driver {driver}, expected branch {branch}"
 
 
-def test_cuda_toolkit_is_the_pinned_release() -> None:
+def test_cuda_toolkit_is_the_pinned_release(smoke_facts: dict[str, Any]) -> None:
+    cuda = CUDA_VERSION or _setting("SARV_SMOKE_CUDA_VERSION", lambda r: r.image.cuda)
     header = run("nvidia-smi").stdout
     supported = re.search(r"CUDA Version:\s*([0-9]+)\.([0-9]+)", header)
     assert supported, header[:500]
-    want = tuple(int(x) for x in CUDA_VERSION.split("."))
+    smoke_facts["CUDA (driver / wanted)"] = f"{supported[1]}.{supported[2]} / {cuda}"
+    want = tuple(int(x) for x in cuda.split("."))
     assert (int(supported[1]), int(supported[2])) >= want, f"the driver supports CUDA {supported[0]} only"
-    nvcc = Path(f"/usr/local/cuda-{CUDA_VERSION}/bin/nvcc")
-    assert nvcc.exists(), f"{nvcc} is missing: the cuda role did not install cuda-toolkit-{CUDA_VERSION}"
+    nvcc = Path(f"/usr/local/cuda-{cuda}/bin/nvcc")
+    assert nvcc.exists(), f"{nvcc} is missing: the cuda role did not install cuda-toolkit-{cuda}"
     out = run(str(nvcc), "--version")
-    assert f"release {CUDA_VERSION}" in out.stdout, out.stdout
-
-
-def test_sarv_discovery_reads_this_host() -> None:
-    """Sarv's own nvidia-smi parser against the real tool: same GPUs as `nvidia-smi -L`."""
-    from controlplane.fleet.nvidia_smi import gpus_from_nvidia_smi, query_argv, topology_argv
-
-    query = run(*query_argv())
-    topo = run(*topology_argv())
-    assert query.returncode == 0 and topo.returncode == 0, query.stderr + topo.stderr
-    gpus = gpus_from_nvidia_smi(query.stdout, topo.stdout, host="localhost")
-    listed = [ln for ln in run("nvidia-smi", "-L").stdout.splitlines() if ln.startswith("GPU ")]
-    assert len(gpus) == len(listed)
-    assert all(g.memory_total_mib > 1024 for g in gpus)
+    assert f"release {cuda}" in out.stdout, out.stdout
 
 
 def _docker() -> str:
@@ -158,6 +169,32 @@ def test_sarv_sysctls_are_applied() -> None:
     assert live == wanted
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _calibrate(home: Path, deployment: dict[str, Any], facts: dict[str, Any]) -> None:
+    """Record the estimator's KV-cache tokens per GPU beside what vLLM reported at start-up."""
+    from controlplane.catalog import Catalog, estimate
+
+    replica = deployment["replicas"][0]
+    log = (home / "replicas" / replica["id"] / "replica.log").read_text(errors="replace")
+    found = re.findall(r"KV cache size:\s*([\d,]+)\s*tokens", log)
+    assert found, "vLLM's start-up log has no 'KV cache size: N tokens' line"
+    reported = int(found[-1].replace(",", ""))
+    gpus = gpu_rows()
+    model = Catalog.load().get(deployment["model"])
+    est = estimate(model, gpu_memory_mib=int(float(gpus[0][3])), gpu_model=gpus[0][1], max_model_len=2048)
+    predicted = int(est.kv_budget_mib * 2**20 // est.kv_bytes_per_token_per_gpu)
+    facts["KV tokens vLLM / estimate"] = (
+        f"{reported} / {predicted} ({(predicted - reported) / reported:+.1%})"
+    )
+
+
 def deploy_argv(model: str, name: str, weights: str) -> list[str]:
     """The `llmctl` arguments the serving test deploys with (checked against the CLI off the GPU host)."""
     return [
@@ -178,7 +215,7 @@ def deploy_argv(model: str, name: str, weights: str) -> list[str]:
 
 
 @pytest.mark.timeout(1800)
-def test_a_small_model_is_served_by_a_vllm_replica(tmp_path: Path) -> None:
+def test_a_small_model_is_served_by_a_vllm_replica(tmp_path: Path, smoke_facts: dict[str, Any]) -> None:
     """`llmctl deploy` a catalog model on this node's GPU (vLLM container), complete a prompt, undeploy."""
     weights = os.environ.get("SARV_SMOKE_WEIGHTS")
     assert weights, "set SARV_SMOKE_WEIGHTS to the model's weights (a directory with a SHA256SUMS manifest)"
@@ -203,17 +240,36 @@ def test_a_small_model_is_served_by_a_vllm_replica(tmp_path: Path) -> None:
 
         served = httpx.get(f"{endpoint}/v1/models", timeout=30).json()
         served_name = served["data"][0]["id"]
-        reply = httpx.post(
-            f"{endpoint}/v1/completions",
-            json={
-                "model": served_name,
-                "prompt": "The capital of France is",
-                "max_tokens": 8,
-                "temperature": 0,
-            },
-            timeout=120,
+        key = sarv("keys", "create", f"{name}-key").stdout.strip().splitlines()[-1]
+        port = _free_port()
+        gateway = subprocess.Popen(
+            [llmctl, "gateway", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["choices"][0]["text"].strip()
+        try:
+            reply = None
+            for _ in range(60):
+                try:
+                    reply = httpx.post(
+                        f"http://127.0.0.1:{port}/v1/completions",
+                        headers={"Authorization": f"Bearer {key}"},
+                        json={"model": served_name, "prompt": "The capital of France is", "max_tokens": 8},
+                        timeout=120,
+                    )
+                    if reply.status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(1)
+            assert reply is not None and reply.status_code == 200, (
+                reply.text if reply else "gateway never answered"
+            )
+            assert reply.json()["choices"][0]["text"].strip()
+        finally:
+            gateway.terminate()
+            gateway.wait(timeout=30)
+        _calibrate(tmp_path / "home", deployment, smoke_facts)
     finally:
         sarv("undeploy", name, timeout=300)
