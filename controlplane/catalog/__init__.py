@@ -12,6 +12,8 @@ from controlplane.catalog._memory import (
     count_params,
     estimate,
     kv_bytes_per_token,
+    lora_budget,
+    lora_slots_mib,
     weight_bytes_per_param,
 )
 
@@ -30,6 +32,8 @@ __all__ = [
     "count_params",
     "estimate",
     "kv_bytes_per_token",
+    "lora_budget",
+    "lora_slots_mib",
     "spec_from_hf_config",
     "weight_bytes_per_param",
 ]

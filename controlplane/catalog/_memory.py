@@ -7,7 +7,7 @@ import math
 from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.errors import UserError
-from controlplane.spec import DTYPE_BYTES, Dtype, ModelSpec, Quantization
+from controlplane.spec import DTYPE_BYTES, DeploymentSpec, Dtype, ModelSpec, Quantization
 
 __all__ = [
     "ACTIVATION_TOKENS",
@@ -19,6 +19,8 @@ __all__ = [
     "count_params",
     "estimate",
     "kv_bytes_per_token",
+    "lora_budget",
+    "lora_slots_mib",
     "weight_bytes_per_param",
 ]
 
@@ -95,6 +97,47 @@ def count_params(model: ModelSpec) -> int:
     return model.num_layers * per_layer + embeddings + h
 
 
+def lora_slots_mib(
+    model: ModelSpec,
+    *,
+    max_loras: int,
+    max_lora_rank: int,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: Dtype = Dtype.BF16,
+) -> float:
+    """GPU memory vLLM reserves for LoRA on one GPU: ``max_loras`` slots of rank ``max_lora_rank``.
+
+    vLLM (0.32, ``vllm/lora/layers``) wraps every linear layer of each decoder block and allocates, per
+    layer, ``lora_a`` (max_loras × rank × input) and ``lora_b`` (max_loras × output × rank) per slice in
+    the model dtype, whatever the adapters target: a column-parallel layer (merged qkv: 3 slices, gate_up: 2)
+    keeps ``lora_a`` whole and splits ``lora_b`` by tp; a row-parallel one (o_proj, down_proj) splits
+    ``lora_a`` and keeps ``lora_b`` whole. Adapter weights themselves stay in host memory
+    (``max_cpu_loras`` of them) and are copied into these slots.
+    """
+    h, i, r = model.hidden_size, model.intermediate_size, max_lora_rank
+    q_out = model.num_attention_heads * model.head_dim
+    kv_out = model.num_kv_heads * model.head_dim
+    qkv = 3 * r * h + r * (q_out + 2 * kv_out) / tp
+    o_proj = r * q_out / tp + r * h
+    gate_up = 2 * r * h + r * 2 * i / tp
+    down = r * i / tp + r * h
+    per_layer = (qkv + o_proj + gate_up + down) * max_loras * DTYPE_BYTES[dtype]
+    return math.ceil(model.num_layers / pp) * per_layer / MIB
+
+
+def lora_budget(spec: DeploymentSpec) -> dict[str, int]:
+    """vLLM's LoRA slots for a deployment with LoRA on: ``max_loras`` (default 1) × ``max_lora_rank`` (16)."""
+    args = spec.engine_args
+    if not spec.lora_adapters and args.get("enable_lora") is not True:
+        return {}
+    loras, rank = args.get("max_loras", 1), args.get("max_lora_rank", 16)
+    return {
+        "max_loras": loras if isinstance(loras, int) and not isinstance(loras, bool) else 1,
+        "max_lora_rank": rank if isinstance(rank, int) and not isinstance(rank, bool) else 16,
+    }
+
+
 class MemoryEstimate(BaseModel):
     """What one GPU of a replica needs, in MiB, and how many max_model_len sequences its KV cache holds."""
 
@@ -122,6 +165,10 @@ class MemoryEstimate(BaseModel):
     kv_bytes_per_token_per_gpu: int
     kv_per_sequence_mib: float
     """One max_model_len sequence on this GPU, rounded up to whole 16-token blocks."""
+    lora_mib: float = 0.0
+    """LoRA slots (``lora_slots_mib``); 0 without LoRA."""
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
     @property
     def budget_mib(self) -> float:
@@ -130,7 +177,7 @@ class MemoryEstimate(BaseModel):
 
     @property
     def overhead_mib(self) -> float:
-        return self.activation_mib + self.cuda_graph_mib + self.non_torch_mib
+        return self.activation_mib + self.cuda_graph_mib + self.non_torch_mib + self.lora_mib
 
     @property
     def kv_budget_mib(self) -> float:
@@ -164,6 +211,14 @@ class MemoryEstimate(BaseModel):
             f"(profiling pass of {self.activation_tokens} tokens)",
             f"  CUDA graphs          {self.cuda_graph_mib / 1024:8.2f} GiB",
             f"  non-torch / NCCL     {self.non_torch_mib / 1024:8.2f} GiB",
+            *(
+                [
+                    f"  LoRA slots           {self.lora_mib / 1024:8.2f} GiB  "
+                    f"(max_loras {self.max_loras} × max_lora_rank {self.max_lora_rank} on every linear layer)"
+                ]
+                if self.lora_mib
+                else []
+            ),
             f"  KV bytes per token   {kv_tok:,} B = 2 × layers × kv_heads × head_dim × bytes (whole model); "
             f"{self.kv_bytes_per_token_per_gpu:,} B on this GPU",
             f"  KV per sequence      {self.kv_per_sequence_mib / 1024:8.2f} GiB  "
@@ -193,6 +248,8 @@ def estimate(
     concurrency: int = 1,
     gpu_memory_utilization: float = 0.9,
     max_num_batched_tokens: int | None = None,
+    max_loras: int = 0,
+    max_lora_rank: int = 16,
 ) -> MemoryEstimate:
     """Memory one GPU of a ``tp`` × ``pp`` replica of ``model`` needs on a GPU of ``gpu_memory_mib``."""
     if tp < 1 or pp < 1:
@@ -241,4 +298,11 @@ def estimate(
         kv_bytes_per_token=kv_bytes_per_token(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype),
         kv_bytes_per_token_per_gpu=kv_tok_gpu,
         kv_per_sequence_mib=blocks * KV_BLOCK_TOKENS * kv_tok_gpu / MIB,
+        lora_mib=lora_slots_mib(
+            model, max_loras=max_loras, max_lora_rank=max_lora_rank, tp=tp, pp=pp, dtype=dtype
+        )
+        if max_loras
+        else 0.0,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank if max_loras else 0,
     )

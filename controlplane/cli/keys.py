@@ -17,7 +17,7 @@ from controlplane.errors import NotFoundError, UserError
 if TYPE_CHECKING:
     from controlplane.state.base import ApiKeyRecord, StateStore
 
-__all__ = ["parse_duration", "register"]
+__all__ = ["open_state", "parse_duration", "register"]
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -47,7 +47,7 @@ def parse_duration(text: str) -> float:
 
 
 @contextmanager
-def _store() -> Iterator[StateStore]:
+def open_state() -> Iterator[StateStore]:
     from controlplane.settings import load_settings
     from controlplane.state import open_store
 
@@ -75,7 +75,7 @@ def _row(r: ApiKeyRecord, now: float) -> list[str]:
     return [r.name, r.prefix + "…", ",".join(r.models) or "*", *limits, expires, state]
 
 
-def register(app: typer.Typer) -> None:
+def register(app: typer.Typer) -> None:  # noqa: PLR0915 - one nested function per command
     """Add ``llmctl keys …`` to ``app``."""
     keys = typer.Typer(
         help="API keys of the gateway: create (shown once), list, revoke.", no_args_is_help=True
@@ -96,6 +96,9 @@ def register(app: typer.Typer) -> None:
         max_prompt_tokens: Annotated[int | None, typer.Option(min=1, help="Longest prompt accepted.")] = None,
         expires_in: Annotated[
             str | None, typer.Option(help="Lifetime, e.g. 30d, 12h; default: none.")
+        ] = None,
+        team: Annotated[
+            str | None, typer.Option(help="Team the key belongs to (llmctl teams create); default: none.")
         ] = None,
         output: Annotated[Output, typer.Option("--output", "-o", help="text or json.")] = Output.TEXT,
     ) -> None:
@@ -121,10 +124,16 @@ def register(app: typer.Typer) -> None:
                 max_prompt_tokens=max_prompt_tokens,
                 expires_at=expires_at,
                 created_at=now,
+                team=team,
             )
         except ValidationError as exc:
             raise UserError(describe_validation_error(exc, what="key")) from None
-        with _store() as store:
+        from controlplane.cli.audit import audited
+
+        details = {"team": team} if team else {}
+        with open_state() as store, audited(store, "keys.create", name, details):
+            if team is not None and store.get_team(team) is None:
+                raise NotFoundError(f"no team named {team!r}", hint=f"llmctl teams create {team}")
             old = store.get_api_key_by_name(name)
             if old is not None and not old.revoked:
                 raise UserError(f"a key named {name!r} exists", hint=f"llmctl keys revoke {name} first")
@@ -142,7 +151,7 @@ def register(app: typer.Typer) -> None:
         ] = ListOutput.TABLE,
     ) -> None:
         """List keys (names, prefixes, limits; never the keys)."""
-        with _store() as store:
+        with open_state() as store:
             records = sorted(store.list_api_keys(), key=lambda r: r.name)
         if output is ListOutput.JSON:
             ui.print_json([r.model_dump(exclude={"key_hash"}) for r in records])
@@ -156,13 +165,16 @@ def register(app: typer.Typer) -> None:
         yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     ) -> None:
         """Revoke a key; gateways refuse it within their key-cache TTL (5 s by default)."""
-        with _store() as store:
+        with open_state() as store:
             record = store.get_api_key_by_name(name)
             if record is None:
                 raise NotFoundError(f"no key named {name!r}", hint="llmctl keys list")
             if not ui.confirm(f"revoke key {name!r}? Its clients are refused from then on", assume_yes=yes):
                 ui.out("nothing changed")
                 raise typer.Exit(1)
-            if not record.revoked:
-                store.put_api_key(record.model_copy(update={"revoked": True}))
+            from controlplane.cli.audit import audited
+
+            with audited(store, "keys.revoke", name):
+                if not record.revoked:
+                    store.put_api_key(record.model_copy(update={"revoked": True}))
         ui.out(f"revoked key {name!r}")

@@ -87,7 +87,7 @@ def _print_table(plan: Plan, fleet: Fleet, spec: DeploymentSpec, source: str) ->
 
 def _explain(plan: Plan, fleet: Fleet, spec: DeploymentSpec, model: ModelSpec) -> None:
     """Print the memory arithmetic for each layout the plan uses (or would need, when nothing fits)."""
-    from controlplane.catalog import estimate
+    from controlplane.catalog import estimate, lora_budget
 
     types: dict[tuple[str, int], None] = {}
     nodes = {n.name: n for n in fleet.nodes}
@@ -124,6 +124,7 @@ def _explain(plan: Plan, fleet: Fleet, spec: DeploymentSpec, model: ModelSpec) -
             max_model_len=spec.max_model_len,
             concurrency=spec.concurrency,
             gpu_memory_utilization=spec.gpu_memory_utilization,
+            **lora_budget(spec),
         )
         for line in est.explain():
             ui.out(line)

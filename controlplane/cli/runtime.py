@@ -330,13 +330,23 @@ def register(app: typer.Typer) -> None:
                 sources=per_variant,
                 tools=tools,
             )
-            result = deployer.deploy(spec, wait=wait, timeout=timeout, port=port)
+            from controlplane.cli.audit import audited
+
+            with audited(deployer.store, "deploy", spec.name, {"model": str(spec.model)}):
+                result = deployer.deploy(spec, wait=wait, timeout=timeout, port=port)
         if output is StatusFormat.JSON:
             ui.print_json(result.model_dump(mode="json"))
             return
         verb = "deployed" if result.changed else "unchanged (already running as asked)"
         ui.out(f"{result.deployment}: {verb}")
         _print_endpoints(result.replicas)
+
+    _register_operations(app)
+    _register_lora(app)
+
+
+def _register_operations(app: typer.Typer) -> None:
+    """``llmctl status``, ``undeploy`` and ``logs``."""
 
     @app.command()
     def status(
@@ -368,7 +378,10 @@ def register(app: typer.Typer) -> None:
             ui.out("nothing changed")
             raise typer.Exit(1)
         with ui.progress() as bar, _deployer(inventory, progress=bar.update) as deployer:
-            stopped = deployer.undeploy(name)
+            from controlplane.cli.audit import audited
+
+            with audited(deployer.store, "undeploy", name):
+                stopped = deployer.undeploy(name)
         ui.out(f"{name}: undeployed ({len(stopped)} replica{'s' if len(stopped) != 1 else ''} stopped)")
 
     @app.command()
@@ -385,3 +398,51 @@ def register(app: typer.Typer) -> None:
                     ui.out(line)
             except KeyboardInterrupt:
                 return
+
+
+def _register_lora(app: typer.Typer) -> None:
+    """``llmctl lora list|add|remove``."""
+    lora = typer.Typer(help="LoRA adapters of a running deployment: list, add, remove.", no_args_is_help=True)
+    app.add_typer(lora, name="lora")
+
+    @lora.command("list")
+    def lora_list(
+        deployment: Annotated[str, typer.Argument(help="Deployment name.")],
+        inventory: InventoryOpt = None,
+    ) -> None:
+        """The adapters a deployment serves (its desired state)."""
+        from controlplane.controller.adapters import AdapterManager
+
+        with _deployer(inventory) as deployer:
+            adapters = AdapterManager(deployer).adapters(deployment)
+        if not adapters:
+            ui.out(f"{deployment}: no LoRA adapters")
+            return
+        ui.table(["ADAPTER", "SOURCE"], [[a.name, a.source or "-"] for a in adapters])
+
+    @lora.command("add")
+    def lora_add(
+        deployment: Annotated[str, typer.Argument(help="Deployment name.")],
+        name: Annotated[str, typer.Argument(help="Adapter name, routable as a model.")],
+        source: Annotated[str, typer.Option(help="Adapter directory (or URL) with a SHA256SUMS manifest.")],
+        inventory: InventoryOpt = None,
+    ) -> None:
+        """Verify, copy and load an adapter on every replica (or on none)."""
+        from controlplane.controller.adapters import AdapterManager
+
+        with _deployer(inventory) as deployer:
+            ids = AdapterManager(deployer).add(deployment, name, source)
+        ui.out(f"{deployment}: adapter {name} loaded on {', '.join(ids)}")
+
+    @lora.command("remove")
+    def lora_remove(
+        deployment: Annotated[str, typer.Argument(help="Deployment name.")],
+        name: Annotated[str, typer.Argument(help="Adapter name.")],
+        inventory: InventoryOpt = None,
+    ) -> None:
+        """Unload an adapter from every replica and from the deployment's desired state."""
+        from controlplane.controller.adapters import AdapterManager
+
+        with _deployer(inventory) as deployer:
+            ids = AdapterManager(deployer).remove(deployment, name)
+        ui.out(f"{deployment}: adapter {name} removed from {', '.join(ids)}")

@@ -37,7 +37,15 @@ from controlplane.state.base import StateStore
 from controlplane.weights import WeightsPolicy, read_source_json
 from controlplane.weights.tiny import TINY_MODEL_NAME
 
-__all__ = ["DeployResult", "Deployer", "ModelCatalog", "Observation", "Planner", "default_engines"]
+__all__ = [
+    "DeployResult",
+    "Deployer",
+    "ModelCatalog",
+    "Observation",
+    "Planner",
+    "check_sources",
+    "default_engines",
+]
 
 Progress = Callable[[str, str], None]
 """``(key, description)``: one line of progress per key (a replica, the weights …)."""
@@ -314,6 +322,7 @@ class Deployer:
     ) -> DeployResult:
         """Bring ``spec`` to running. Idempotent; on any failure everything this call did is undone."""
         check_engine_args(spec)
+        check_sources(spec)
         model = self.catalog.get(spec.model)
         previous = self.store.get_deployment(spec.name)
         if previous is not None and previous.spec != spec:
@@ -400,11 +409,12 @@ class Deployer:
                     weights[shard0.node] = str(path)
                     self._say("weights", f"weights: {model.name} verified on {shard0.node}")
                 model_dir = weights[shard0.node]
+            node_spec = self._land_sources(spec, launcher)
             replica_id = f"{spec.name}-{index}"
             chosen = launcher.allocate_port(port + index if port is not None else None)
             ctx = ReplicaContext(
                 replica_id=replica_id,
-                spec=spec,
+                spec=node_spec,
                 served_model_name=spec.name,
                 model_dir=model_dir,
                 host=launcher.host,
@@ -446,6 +456,28 @@ class Deployer:
             rec.handle = launcher.start(replica_id, launch)
             launched.append(_Launched(rec, launcher))
             self.store.put_replica(rec)
+
+    def _land_sources(self, spec: DeploymentSpec, launcher: Launcher) -> DeploymentSpec:
+        """Copy the adapters and the draft model to the replica's nodes, verified, like the weights; the
+        returned spec names their paths in the node's model cache (what the engine is given)."""
+        policy = WeightsPolicy()
+        adapters = [
+            a.model_copy(
+                update={
+                    "source": str(
+                        launcher.ensure_weights(a.source, f"{spec.model}-lora-{a.name}", policy=policy)
+                    )
+                }
+            )
+            if a.source is not None
+            else a
+            for a in spec.lora_adapters
+        ]
+        speculative = spec.speculative
+        if speculative is not None and speculative.model is not None:
+            draft = launcher.ensure_weights(speculative.model, f"{spec.model}-draft", policy=_policy(spec))
+            speculative = speculative.model_copy(update={"model": str(draft)})
+        return spec.model_copy(update={"lora_adapters": adapters, "speculative": speculative})
 
     def _gpu_memory_mib(self, shard: Shard) -> int | None:
         """The smallest memory among the shard's GPUs (what the engine's budget must fit)."""
@@ -611,6 +643,23 @@ class Deployer:
         if launcher is None:
             raise LaunchError(f"replica {rec.id} runs on {rec.node}; read its log there")
         return launcher.logs(rec.handle, follow=follow, tail=tail)
+
+
+def check_sources(spec: DeploymentSpec) -> None:
+    """Refuse a missing or unverifiable LoRA adapter or draft model, or an adapter of too high a rank,
+    before the deployment is recorded and before any byte is copied or any replica started."""
+    from controlplane.weights.adapters import DEFAULT_MAX_LORA_RANK, check_adapter_source, check_draft_source
+
+    raw_rank = spec.engine_args.get("max_lora_rank", DEFAULT_MAX_LORA_RANK)
+    try:
+        max_rank = int(raw_rank)
+    except ValueError:
+        raise UserError(f"max_lora_rank {raw_rank!r} is not an integer") from None
+    for adapter in spec.lora_adapters:
+        if adapter.source is not None:
+            check_adapter_source(adapter.name, adapter.source, max_lora_rank=max_rank)
+    if spec.speculative is not None and spec.speculative.model is not None:
+        check_draft_source(spec.speculative.model)
 
 
 def _conflict(old: DeploymentSpec, new: DeploymentSpec) -> UserError:

@@ -17,6 +17,8 @@ __all__ = [
     "EngineLaunch",
     "ReplicaContext",
     "check_engine_args",
+    "lora_enabled",
+    "lora_env",
     "vllm_server_args",
 ]
 
@@ -181,8 +183,10 @@ def vllm_server_args(ctx: ReplicaContext, *, model_path: str, host: str, port: i
     extra = spec.engine_args
     if extra.get("trust_remote_code") is True:
         args.append("--trust-remote-code")
+    if lora_enabled(spec):
+        args.append("--enable-lora")
     if spec.lora_adapters:
-        args += ["--enable-lora", "--lora-modules", *(a.as_module() for a in spec.lora_adapters)]
+        args += ["--lora-modules", *(a.as_module() for a in spec.lora_adapters)]
     if spec.speculative is not None:
         args += ["--speculative-config", spec.speculative.as_vllm_json()]
     for key, value in sorted(extra.items()):
@@ -193,6 +197,16 @@ def vllm_server_args(ctx: ReplicaContext, *, model_path: str, host: str, port: i
         else:
             args += [_flag(key), str(value)]
     return args
+
+
+def lora_enabled(spec: DeploymentSpec) -> bool:
+    """Whether the deployment serves LoRA adapters: it has some, or ``enable_lora`` asks for later ones."""
+    return bool(spec.lora_adapters) or spec.engine_args.get("enable_lora") is True
+
+
+def lora_env(spec: DeploymentSpec) -> dict[str, str]:
+    """vLLM's switch for ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``; only with LoRA on."""
+    return {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora_enabled(spec) else {}
 
 
 def check_engine_args(spec: DeploymentSpec) -> None:

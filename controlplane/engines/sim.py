@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controlplane.engines.base import SARV_ENGINE_ARGS, EngineLaunch, ReplicaContext
+from controlplane.engines.base import SARV_ENGINE_ARGS, EngineLaunch, ReplicaContext, lora_env
 from controlplane.spec import EngineKind
 
 __all__ = ["SimEngine"]
@@ -69,7 +69,7 @@ class SimEngine:
             argv += _gpu_stand_in_args(ctx)
         # Simulator options (failure injection, latency profile …) pass through as --kebab-case flags.
         for key, value in sorted(ctx.spec.engine_args.items()):
-            if key in SARV_ENGINE_ARGS:
+            if key in SARV_ENGINE_ARGS or key == "enable_lora":
                 continue
             flag = "--" + key.replace("_", "-")
             if isinstance(value, bool):
@@ -79,7 +79,7 @@ class SimEngine:
         # Adapters are served by name; the simulator has no speculative decoding to configure.
         if ctx.spec.lora_adapters:
             argv += ["--lora-modules", *(a.as_module() for a in ctx.spec.lora_adapters)]
-        env = {"SARV_SIM": "1"}
+        env = {"SARV_SIM": "1", **lora_env(ctx.spec)}
         if ctx.gpu_ids:
             # Placed on GPUs as a stand-in for vllm: the GPUs it was given, as vLLM would see them.
             env["CUDA_VISIBLE_DEVICES"] = ",".join(ctx.gpu_ids)

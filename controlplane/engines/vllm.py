@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from controlplane.engines.base import EngineLaunch, ReplicaContext, vllm_server_args
+from controlplane.engines.base import EngineLaunch, ReplicaContext, lora_env, vllm_server_args
 from controlplane.errors import LaunchError
 from controlplane.spec import EngineKind
 
@@ -104,6 +104,7 @@ class VllmEngine:
         argv += [
             "--volume",
             f"{ctx.model_dir}:{mount}:ro,z",
+            *_source_mounts(ctx),
             "--publish",
             f"{ctx.host}:{ctx.port}:{_CONTAINER_PORT}",
             "--env",
@@ -113,6 +114,8 @@ class VllmEngine:
             "--env",
             "DO_NOT_TRACK=1",
         ]
+        for key, value in lora_env(ctx.spec).items():
+            argv += ["--env", f"{key}={value}"]
         if ctx.env_file is not None and secret_env:
             argv += ["--env-file", str(ctx.env_file)]
         # An explicit entrypoint: images switched from the module to `vllm serve` across versions.
@@ -121,3 +124,14 @@ class VllmEngine:
         # GPU only: the CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE instead.
         argv += ["--gpu-memory-utilization", str(ctx.spec.gpu_memory_utilization)]
         return EngineLaunch(argv=argv, secret_env=secret_env, port=ctx.port, container_name=name)
+
+
+def _source_mounts(ctx: ReplicaContext) -> list[str]:
+    """LoRA adapters and the draft model, read-only at the same path inside the container as on the node."""
+    paths = [a.source for a in ctx.spec.lora_adapters if a.source is not None]
+    if ctx.spec.speculative is not None and ctx.spec.speculative.model is not None:
+        paths.append(ctx.spec.speculative.model)
+    out: list[str] = []
+    for path in dict.fromkeys(paths):
+        out += ["--volume", f"{path}:{path}:ro,z"]
+    return out

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from controlplane.catalog import MemoryEstimate, estimate
+from controlplane.catalog import MemoryEstimate, estimate, lora_budget
 from controlplane.catalog.compat import CompatTable, Generation, load_compat
 from controlplane.errors import UserError
 from controlplane.placement._index import LINK_NAMES, NVLINK, FleetIndex, GpuType, Slot
@@ -81,7 +81,8 @@ def _job(spec: DeploymentSpec, model: ModelSpec, length: int, quant: Quantizatio
     tokens = mnbt if isinstance(mnbt, int) and not isinstance(mnbt, bool) else None
     key = (
         model.name, model.num_params, model.num_layers, spec.tp, quant, length, spec.concurrency,
-        spec.gpu_memory_utilization, spec.dtype, spec.kv_cache_dtype, tokens,
+        spec.gpu_memory_utilization, spec.dtype, spec.kv_cache_dtype,
+        tuple(sorted(lora_budget(spec).items())), tokens,
     )  # fmt: skip
     return _Job(spec, model, length, quant, key)
 
@@ -509,6 +510,7 @@ class Planner:
                 concurrency=spec.concurrency,
                 gpu_memory_utilization=spec.gpu_memory_utilization,
                 max_num_batched_tokens=job.key[-1],  # type: ignore[arg-type]
+                **lora_budget(spec),
             )
             self._estimates[key] = hit
             self._fit_cache[key] = hit.fits

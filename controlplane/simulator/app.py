@@ -39,6 +39,29 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 _M = TypeVar("_M", bound=BaseModel)
+_TEXT = [(b"content-type", b"text/plain; charset=utf-8")]
+
+
+class _LoadLora(BaseModel):
+    """vLLM's ``LoadLoRAAdapterRequest``."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+
+
+class _UnloadLora(BaseModel):
+    """vLLM's ``UnloadLoRAAdapterRequest``."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+def runtime_lora_updating() -> bool:
+    """vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: ``1`` or ``true`` (any case) turns the endpoints on."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
+
+
 _MAX_BODY = 32 * 1024 * 1024
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
@@ -116,6 +139,10 @@ class SimApp:
         self._on_crash = on_crash or _exit_process
         self._ids = itertools.count()
         self._id_prefix = secrets.token_hex(6)
+        self._adapters: dict[str, str] = {}
+        for module in config.lora_modules:
+            name, _, path = module.partition("=")
+            self._adapters[name] = path or name
         self._models_body = self._render_models()
         self._routes: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {
             ("GET", "/health"): self._health,
@@ -126,6 +153,10 @@ class SimApp:
             ("POST", "/v1/chat/completions"): self._chat,
             ("POST", "/v1/embeddings"): self._embeddings,
         }
+        if runtime_lora_updating():
+            # As vLLM: the routes exist only when runtime adapter updating is allowed.
+            self._routes[("POST", "/v1/load_lora_adapter")] = self._load_lora
+            self._routes[("POST", "/v1/unload_lora_adapter")] = self._unload_lora
         self._paths = {path for _, path in self._routes}
         self._bearer = None if config.api_key is None else b"Bearer " + config.api_key.encode()
 
@@ -194,20 +225,59 @@ class SimApp:
                 "max_model_len": cfg.max_model_len,
             }
         ]
-        for module in cfg.lora_modules:
-            name, _, path = module.partition("=")
+        for name, path in self._adapters.items():
             cards.append(
                 {
                     "id": name,
                     "object": "model",
                     "created": created,
                     "owned_by": "vllm",
-                    "root": path or name,
+                    "root": path,
                     "parent": cfg.served_model_name,
                     "max_model_len": None,
                 }
             )
         return to_json({"object": "list", "data": cards})
+
+    async def _load_lora(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/load_lora_adapter`` with vLLM's checks and answers (a text body on success)."""
+        req = await self._parse(receive, _LoadLora)
+        name, path = req.lora_name, req.lora_path
+        if not name or not path:
+            raise _HTTPError(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+        if name == self.config.served_model_name:
+            raise _HTTPError(
+                400, f"The lora adapter '{name}' conflicts with a served base model.", "InvalidUserInput"
+            )
+        if name in self._adapters and not req.load_inplace:
+            raise _HTTPError(
+                400,
+                f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in "
+                "place, set 'load_inplace' to True.",
+                "InvalidUserInput",
+            )
+        if not os.path.isdir(path):
+            # vLLM's LoRAAdapterNotFoundError, answered 404.
+            raise _HTTPError(404, f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError")
+        self._adapters[name] = path
+        self.metrics.lora_running.setdefault(name, 0)
+        self.metrics.lora_waiting.setdefault(name, 0)
+        self._models_body = self._render_models()
+        await _respond(send, 200, f"Success: LoRA adapter '{name}' added successfully.".encode(), _TEXT)
+
+    async def _unload_lora(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/unload_lora_adapter``: 404 for a name that is not loaded, as vLLM answers."""
+        req = await self._parse(receive, _UnloadLora)
+        name = req.lora_name
+        if not name:
+            raise _HTTPError(
+                400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput"
+            )
+        if name not in self._adapters:
+            raise _HTTPError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        del self._adapters[name]
+        self._models_body = self._render_models()
+        await _respond(send, 200, f"Success: LoRA adapter '{name}' removed successfully.".encode(), _TEXT)
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._check_ready()
@@ -238,7 +308,7 @@ class SimApp:
     def _adapter_for(self, model: str) -> str | None:
         if model == self.config.served_model_name:
             return None
-        if model in self.config.adapter_names:
+        if model in self._adapters:
             return model
         raise _HTTPError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from controlplane.spec import DeploymentRecord, ReplicaRecord
 
-__all__ = ["ApiKeyRecord", "StateStore"]
+__all__ = ["ApiKeyRecord", "AuditEntry", "StateStore", "TeamRecord"]
 
 
 class ApiKeyRecord(BaseModel):
@@ -30,6 +30,39 @@ class ApiKeyRecord(BaseModel):
     expires_at: float | None = None
     revoked: bool = False
     created_at: float = 0.0
+    team: str | None = None
+    """The team the key belongs to; None: no team (only the key's own limits apply)."""
+
+
+class TeamRecord(BaseModel):
+    """A team of keys and its limits (None: no limit at this level)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    models: list[str] = Field(default_factory=list)
+    rpm: int | None = Field(default=None, ge=1)
+    tpm: int | None = Field(default=None, ge=1)
+    daily_tokens: int | None = Field(default=None, ge=1)
+    monthly_tokens: int | None = Field(default=None, ge=1)
+    max_prompt_tokens: int | None = Field(default=None, ge=1)
+    created_at: float = 0.0
+
+
+class AuditEntry(BaseModel):
+    """One administrative action: who did what, when, and how it ended."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    at: float
+    actor: str
+    """``user@host`` for the CLI, or the API identity."""
+    action: str
+    """``keys.create``, ``teams.delete``, ``deploy`` …"""
+    target: str = ""
+    details: dict[str, str] = Field(default_factory=dict)
+    outcome: str = "ok"
+    """``ok`` or the error line."""
 
 
 @runtime_checkable
@@ -63,6 +96,16 @@ class StateStore(Protocol):
     def put_engine_key(self, deployment: str, key: SecretStr) -> None: ...
     def get_engine_key(self, deployment: str) -> SecretStr | None: ...
     def delete_engine_key(self, deployment: str) -> bool: ...
+
+    # teams
+    def put_team(self, record: TeamRecord) -> None: ...
+    def get_team(self, name: str) -> TeamRecord | None: ...
+    def list_teams(self) -> list[TeamRecord]: ...
+    def delete_team(self, name: str) -> bool: ...
+
+    # audit trail (append-only: there is no update or delete)
+    def append_audit(self, entry: AuditEntry) -> None: ...
+    def list_audit(self, since: float = 0.0) -> list[AuditEntry]: ...
 
     # change feed and lifecycle
     def revision(self) -> int: ...

@@ -15,7 +15,7 @@ from pydantic import BaseModel, SecretStr, ValidationError
 
 from controlplane.errors import ConfigError, StateError
 from controlplane.spec import DeploymentRecord, ReplicaRecord
-from controlplane.state.base import ApiKeyRecord
+from controlplane.state.base import ApiKeyRecord, AuditEntry, TeamRecord
 from controlplane.state.clients import RedisEndpoint, redis_error, sync_client
 
 if TYPE_CHECKING:
@@ -79,6 +79,8 @@ class RedisStore:
         self._key_names = tag + "apikey-names"
         self._engine_keys = tag + "engine-keys"
         self._revision = tag + "revision"
+        self._teams = tag + "teams"
+        self._audit = tag + "audit"
         self._lock = threading.Lock()
         self._client: Any = None
         self._scripts: dict[str, Script] = {}
@@ -182,6 +184,32 @@ class RedisStore:
 
     def delete_engine_key(self, deployment: str) -> bool:
         return bool(self._script("delete", [self._engine_keys, self._revision], [deployment]))
+
+    # --- teams
+
+    def put_team(self, record: TeamRecord) -> None:
+        self._script("put", [self._teams, self._revision], [record.name, record.model_dump_json()])
+
+    def get_team(self, name: str) -> TeamRecord | None:
+        return self._get(TeamRecord, self._teams, name)
+
+    def list_teams(self) -> list[TeamRecord]:
+        return [r for _, r in self._values(TeamRecord, self._teams)]
+
+    def delete_team(self, name: str) -> bool:
+        return bool(self._script("delete", [self._teams, self._revision], [name]))
+
+    # --- audit trail: a Redis stream, appended to and never trimmed
+
+    def append_audit(self, entry: AuditEntry) -> None:
+        self._call(lambda c: c.xadd(self._audit, {"body": entry.model_dump_json()}))
+
+    def list_audit(self, since: float = 0.0) -> list[AuditEntry]:
+        # Stream ids are milliseconds of the server's clock; filter on the entry's own time as well.
+        start = f"{max(0, int(since * 1000) - 60_000)}-0"
+        items: list[tuple[Any, dict[Any, Any]]] = self._call(lambda c: c.xrange(self._audit, min=start))
+        entries = [self._load(AuditEntry, str(fields["body"])) for _, fields in items]
+        return [e for e in entries if e.at >= since]
 
     # --- change feed and lifecycle
 

@@ -15,14 +15,14 @@ from pydantic import BaseModel, SecretStr, ValidationError
 
 from controlplane.errors import StateError
 from controlplane.spec import DeploymentRecord, ReplicaRecord
-from controlplane.state.base import ApiKeyRecord
+from controlplane.state.base import ApiKeyRecord, AuditEntry, TeamRecord
 
 __all__ = ["SCHEMA_VERSION", "SqliteStore"]
 
 _T = TypeVar("_T")
 _M = TypeVar("_M", bound=BaseModel)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """``PRAGMA user_version`` of the layout below; a file from a newer Sarv is refused, never rewritten."""
 
 # Version n's statements take a file from version n - 1 to n. Append, never edit a released step.
@@ -35,7 +35,16 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE INDEX replicas_by_deployment ON replicas (deployment)",
         "CREATE TABLE api_keys (key_hash TEXT PRIMARY KEY, name TEXT NOT NULL UNIQUE, body TEXT NOT NULL)",
     ),
-    2: ("CREATE TABLE engine_keys (deployment TEXT PRIMARY KEY, secret TEXT NOT NULL)",),
+    2: (
+        "CREATE TABLE teams (name TEXT PRIMARY KEY, body TEXT NOT NULL)",
+        "CREATE TABLE audit (id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, body TEXT NOT NULL)",
+        "CREATE INDEX audit_by_time ON audit (at)",
+        "CREATE TRIGGER audit_no_update BEFORE UPDATE ON audit BEGIN "
+        "SELECT RAISE(ABORT, 'the audit trail is append-only'); END",
+        "CREATE TRIGGER audit_no_delete BEFORE DELETE ON audit BEGIN "
+        "SELECT RAISE(ABORT, 'the audit trail is append-only'); END",
+    ),
+    3: ("CREATE TABLE engine_keys (deployment TEXT PRIMARY KEY, secret TEXT NOT NULL)",),
 }
 
 _BUSY_TIMEOUT_MS = 30_000
@@ -232,6 +241,46 @@ class SqliteStore:
 
     def delete_engine_key(self, deployment: str) -> bool:
         return self._delete("DELETE FROM engine_keys WHERE deployment = ?", deployment)
+
+    # --- teams
+
+    def put_team(self, record: TeamRecord) -> None:
+        with self._write() as conn:
+            conn.execute(
+                "INSERT INTO teams (name, body) VALUES (?, ?) "
+                "ON CONFLICT (name) DO UPDATE SET body = excluded.body",
+                (record.name, record.model_dump_json()),
+            )
+
+    def get_team(self, name: str) -> TeamRecord | None:
+        rows = self._read("SELECT body FROM teams WHERE name = ?", (name,))
+        return self._load(TeamRecord, rows[0][0]) if rows else None
+
+    def list_teams(self) -> list[TeamRecord]:
+        rows = self._read("SELECT body FROM teams ORDER BY name")
+        return [self._load(TeamRecord, r[0]) for r in rows]
+
+    def delete_team(self, name: str) -> bool:
+        return self._delete("DELETE FROM teams WHERE name = ?", name)
+
+    # --- audit trail
+
+    def append_audit(self, entry: AuditEntry) -> None:
+        with self._lock:
+            self._guard(
+                lambda: self._conn.execute(
+                    "INSERT INTO audit (at, body) VALUES (?, ?)", (entry.at, entry.model_dump_json())
+                )
+            )
+
+    def list_audit(self, since: float = 0.0) -> list[AuditEntry]:
+        with self._lock:
+            rows = self._guard(
+                lambda: self._conn.execute(
+                    "SELECT body FROM audit WHERE at >= ? ORDER BY id", (since,)
+                ).fetchall()
+            )
+        return [self._load(AuditEntry, r[0]) for r in rows]
 
     # --- change feed and lifecycle
 
