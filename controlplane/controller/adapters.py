@@ -140,7 +140,9 @@ class AdapterManager:
         try:
             for rec in replicas:
                 code, text = self.post(
-                    f"{rec.endpoint}/v1/unload_lora_adapter", {"lora_name": name}, self.deployer.store.get_engine_key(rec.deployment)
+                    f"{rec.endpoint}/v1/unload_lora_adapter",
+                    {"lora_name": name},
+                    self.deployer.store.get_engine_key(rec.deployment),
                 )
                 # 404: this replica no longer has it (restarted without it); nothing to undo there.
                 if code not in (200, 404):
@@ -164,7 +166,9 @@ class AdapterManager:
         for rec in replicas:
             try:
                 code, text = self.post(
-                    f"{rec.endpoint}/v1/unload_lora_adapter", {"lora_name": name}, self.deployer.store.get_engine_key(rec.deployment)
+                    f"{rec.endpoint}/v1/unload_lora_adapter",
+                    {"lora_name": name},
+                    self.deployer.store.get_engine_key(rec.deployment),
                 )
                 if code not in (200, 404):
                     errors.append(f"{rec.id}: HTTP {code}: {_why(text)}")
