@@ -68,7 +68,7 @@ CASES = [
     Case("fp8", {"quantization": "fp8"}, {"quantization": "fp8"}),
     Case("awq-fp16", {"quantization": "awq", "dtype": "float16"}, {"quantization": "awq", "dtype": "float16"}),
     Case("gptq", {"quantization": "gptq"}, {"quantization": "gptq"}),
-    Case("int8-from-checkpoint", {"quantization": "int8"}, {"quantization": None}),
+    Case("int8-compressed-tensors", {"quantization": "int8"}, {"quantization": "compressed-tensors"}),
     Case("dtype-auto", {"dtype": "auto"}, {"dtype": "auto"}),
     Case("dtype-fp32", {"dtype": "float32"}, {"dtype": "float32"}),
     Case("kv-fp8", {"kv_cache_dtype": "fp8"}, {"kv_cache_dtype": "fp8"}),
