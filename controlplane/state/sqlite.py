@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
-from pydantic import BaseModel, SecretStr, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from controlplane.errors import StateError
 from controlplane.spec import DeploymentRecord, ReplicaRecord
@@ -22,7 +22,7 @@ __all__ = ["SCHEMA_VERSION", "SqliteStore"]
 _T = TypeVar("_T")
 _M = TypeVar("_M", bound=BaseModel)
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 2
 """``PRAGMA user_version`` of the layout below; a file from a newer Sarv is refused, never rewritten."""
 
 # Version n's statements take a file from version n - 1 to n. Append, never edit a released step.
@@ -44,7 +44,6 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE TRIGGER audit_no_delete BEFORE DELETE ON audit BEGIN "
         "SELECT RAISE(ABORT, 'the audit trail is append-only'); END",
     ),
-    3: ("CREATE TABLE engine_keys (deployment TEXT PRIMARY KEY, secret TEXT NOT NULL)",),
 }
 
 _BUSY_TIMEOUT_MS = 30_000
@@ -224,23 +223,6 @@ class SqliteStore:
     def list_api_keys(self) -> list[ApiKeyRecord]:
         rows = self._read("SELECT body FROM api_keys ORDER BY name")
         return [self._load(ApiKeyRecord, r[0]) for r in rows]
-
-    # --- engine keys
-
-    def put_engine_key(self, deployment: str, key: SecretStr) -> None:
-        with self._write() as conn:
-            conn.execute(
-                "INSERT INTO engine_keys (deployment, secret) VALUES (?, ?) "
-                "ON CONFLICT (deployment) DO UPDATE SET secret = excluded.secret",
-                (deployment, key.get_secret_value()),
-            )
-
-    def get_engine_key(self, deployment: str) -> SecretStr | None:
-        rows = self._read("SELECT secret FROM engine_keys WHERE deployment = ?", (deployment,))
-        return SecretStr(rows[0][0]) if rows else None
-
-    def delete_engine_key(self, deployment: str) -> bool:
-        return self._delete("DELETE FROM engine_keys WHERE deployment = ?", deployment)
 
     # --- teams
 
