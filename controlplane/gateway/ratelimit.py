@@ -495,9 +495,9 @@ class RedisLimiter:
     async def close(self) -> None:
         if self._flusher is not None and not self._flusher.done():
             self._flusher.cancel()
-        for task in list(self._topping.values()):
-            task.cancel()
-        await asyncio.gather(*self._topping.values(), return_exceptions=True)
+        # Top-ups are awaited, not cancelled: one whose booking already reached Redis would otherwise leave
+        # that booking behind with no lease to return it from (the client's timeouts bound the wait).
+        await asyncio.gather(*list(self._topping.values()), return_exceptions=True)
         if self._pending or self._leases:
             await self.flush(all_leases=True)
         await self._client.aclose()

@@ -43,7 +43,7 @@ def test_status_reports_the_ready_replica(vllm_tiny: VllmDeployment) -> None:
 
 
 def test_deploying_again_changes_nothing(vllm_tiny: VllmDeployment) -> None:
-    out = vllm_tiny.llmctl("deploy", "sarv-tiny", "--engine", "vllm-cpu", check=True)
+    out = vllm_tiny.llmctl("deploy", "sarv-tiny", "--engine", "vllm-cpu", "--tools", check=True)
     assert "unchanged" in out.stdout
     assert vllm_tiny.replica_pids() == [vllm_tiny.pid]
 
