@@ -5,53 +5,20 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from fixtures.launchers import RecordingLauncher
 from fixtures.vllm import LlmctlEnv, group_members, kill_groups
 
 from controlplane.cli.main import main
-from controlplane.engines.base import EngineLaunch, ReplicaContext
+from controlplane.engines.base import ReplicaContext
 from controlplane.engines.sim import SimEngine
-from controlplane.launchers import ProcessState, ReplicaProcess
 from controlplane.settings import load_settings
 from controlplane.spec import DeploymentRecord, DeploymentSpec, EngineKind, Node, Shard
 from controlplane.state import open_store
-from controlplane.weights import WeightsPolicy
-
-
-class RecordingLauncher:
-    """A remote node's launcher that keeps what it was asked to start and starts nothing."""
-
-    name = "recording"
-    python = "python3"
-
-    def __init__(self, node: Node) -> None:
-        self.host = node.address
-        self.launches: list[EngineLaunch] = []
-
-    def allocate_port(self, preferred: int | None = None) -> int:
-        return preferred or 8100
-
-    def ensure_weights(
-        self, source: str, model: str, *, policy: WeightsPolicy, progress: Callable[[str], None] | None = None
-    ) -> Path:
-        return Path("/var/lib/sarv/models") / model
-
-    def start(self, replica_id: str, launch: EngineLaunch) -> dict[str, str]:
-        self.launches.append(launch)
-        return {"launcher": self.name, "unit": f"sarv-{replica_id}"}
-
-    def poll(self, handle: dict[str, str]) -> ReplicaProcess:
-        return ReplicaProcess(state=ProcessState.RUNNING)
-
-    def stop(self, handle: dict[str, str], *, timeout: float = 30.0) -> None:
-        return None
-
-    def logs(self, handle: dict[str, str], *, follow: bool = False, tail: int = 200) -> Iterator[str]:
-        return iter(())
 
 
 @pytest.fixture

@@ -5,19 +5,17 @@ refusal comes before a byte is copied or anything started. Remote GPU nodes are 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from fixtures.launchers import RecordingLauncher
 from placement.plan_fleets import node as gpu_node
 
 from controlplane.catalog import Catalog
 from controlplane.catalog.compat import CompatTable, load_compat
 from controlplane.cli.main import main
 from controlplane.controller import Deployer, default_engines
-from controlplane.engines.base import EngineLaunch
 from controlplane.errors import UserError
-from controlplane.launchers import ProcessState, ReplicaProcess
 from controlplane.placement import plan
 from controlplane.settings import Settings, load_settings
 from controlplane.spec import (
@@ -32,43 +30,9 @@ from controlplane.spec import (
     Shard,
 )
 from controlplane.state import open_store
-from controlplane.weights import WeightsPolicy, write_manifest
+from controlplane.weights import write_manifest
 
 CAT = Catalog.load()
-
-
-class RecordingLauncher:
-    """A remote GPU node's launcher that records what it is asked to copy and start, and does neither."""
-
-    name = "recording"
-    python = "python3"
-
-    def __init__(self, node: Node) -> None:
-        self.host = node.address
-        self.copied: list[str] = []
-        self.launches: list[EngineLaunch] = []
-
-    def allocate_port(self, preferred: int | None = None) -> int:
-        return preferred or 8100
-
-    def ensure_weights(
-        self, source: str, model: str, *, policy: WeightsPolicy, progress: Callable[[str], None] | None = None
-    ) -> Path:
-        self.copied.append(source)
-        return Path("/var/lib/sarv/models") / model
-
-    def start(self, replica_id: str, launch: EngineLaunch) -> dict[str, str]:
-        self.launches.append(launch)
-        return {"launcher": self.name, "unit": f"sarv-{replica_id}"}
-
-    def poll(self, handle: dict[str, str]) -> ReplicaProcess:
-        return ReplicaProcess(state=ProcessState.RUNNING)
-
-    def stop(self, handle: dict[str, str], *, timeout: float = 30.0) -> None:
-        return None
-
-    def logs(self, handle: dict[str, str], *, follow: bool = False, tail: int = 200) -> Iterator[str]:
-        return iter(())
 
 
 def _fleet_file(path: Path, nodes: list[tuple[str, str, int, int]]) -> Path:
