@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.spec import DeploymentRecord, ReplicaRecord
 
-__all__ = ["ApiKeyRecord", "AuditEntry", "StateStore", "TeamRecord"]
+__all__ = ["ApiKeyRecord", "AuditEntry", "EventRecord", "StateStore", "TeamRecord"]
 
 
 class ApiKeyRecord(BaseModel):
@@ -65,6 +65,27 @@ class AuditEntry(BaseModel):
     """``ok`` or the error line."""
 
 
+class EventRecord(BaseModel):
+    """Something the controller or a command did, and why (like ``kubectl get events``).
+
+    ``object`` names what the event is about: ``deployment/NAME``, ``replica/ID`` or ``node/NAME``;
+    ``deployment`` is set whenever the event concerns one, so ``llmctl events NAME`` finds it.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    at: float
+    type: Literal["Normal", "Warning"] = "Normal"
+    reason: str = Field(min_length=1, max_length=64)
+    """CamelCase cause: ``Scaled``, ``Rescheduled``, ``Drained``, ``RolledBack``, ``NoRoom`` …"""
+    message: str = ""
+    """One line for people: ``scaled from 2 to 3 replicas: queue wait p90 0.41 s > 0.20 s``."""
+    object: str = ""
+    deployment: str | None = None
+    source: str = "llmctl"
+    """Who acted: ``controller``, ``llmctl`` (with the actor in ``message`` where it matters)."""
+
+
 @runtime_checkable
 class StateStore(Protocol):
     """Desired state (deployments), observed state (replicas) and API keys.
@@ -100,6 +121,14 @@ class StateStore(Protocol):
     # audit trail (append-only: there is no update or delete)
     def append_audit(self, entry: AuditEntry) -> None: ...
     def list_audit(self, since: float = 0.0) -> list[AuditEntry]: ...
+
+    # events (kept for a bounded history: the oldest are dropped past a few thousand)
+    def append_event(self, event: EventRecord) -> None: ...
+    def list_events(
+        self, deployment: str | None = None, since: float = 0.0, limit: int = 1000
+    ) -> list[EventRecord]:
+        """Events at or after ``since``, oldest first, the newest ``limit`` of them."""
+        ...
 
     # change feed and lifecycle
     def revision(self) -> int: ...

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from controlplane.errors import ConfigError, StateError
 from controlplane.spec import DeploymentRecord, ReplicaRecord
-from controlplane.state.base import ApiKeyRecord, AuditEntry, TeamRecord
+from controlplane.state.base import ApiKeyRecord, AuditEntry, EventRecord, TeamRecord
 from controlplane.state.clients import RedisEndpoint, redis_error, sync_client
 
 if TYPE_CHECKING:
@@ -27,6 +27,9 @@ _T = TypeVar("_T")
 _M = TypeVar("_M", bound=BaseModel)
 
 _TIMEOUT_S = 5.0
+
+EVENTS_KEPT = 5000
+"""The events stream is trimmed to about this many entries."""
 
 # KEYS[1] hash, KEYS[2] revision; ARGV[1] field, ARGV[2] JSON. Returns the new revision.
 _PUT = """
@@ -80,6 +83,7 @@ class RedisStore:
         self._revision = tag + "revision"
         self._teams = tag + "teams"
         self._audit = tag + "audit"
+        self._events = tag + "events"
         self._lock = threading.Lock()
         self._client: Any = None
         self._scripts: dict[str, Script] = {}
@@ -197,6 +201,24 @@ class RedisStore:
         items: list[tuple[Any, dict[Any, Any]]] = self._call(lambda c: c.xrange(self._audit, min=start))
         entries = [self._load(AuditEntry, str(fields["body"])) for _, fields in items]
         return [e for e in entries if e.at >= since]
+
+    # --- events: a Redis stream trimmed to about the newest EVENTS_KEPT
+
+    def append_event(self, event: EventRecord) -> None:
+        self._call(
+            lambda c: c.xadd(
+                self._events, {"body": event.model_dump_json()}, maxlen=EVENTS_KEPT, approximate=True
+            )
+        )
+
+    def list_events(
+        self, deployment: str | None = None, since: float = 0.0, limit: int = 1000
+    ) -> list[EventRecord]:
+        start = f"{max(0, int(since * 1000) - 60_000)}-0"
+        items: list[tuple[Any, dict[Any, Any]]] = self._call(lambda c: c.xrange(self._events, min=start))
+        events = [self._load(EventRecord, str(fields["body"])) for _, fields in items]
+        kept = [e for e in events if e.at >= since and (deployment is None or e.deployment == deployment)]
+        return kept[-limit:] if limit > 0 else []
 
     # --- change feed and lifecycle
 

@@ -15,14 +15,14 @@ from pydantic import BaseModel, ValidationError
 
 from controlplane.errors import StateError
 from controlplane.spec import DeploymentRecord, ReplicaRecord
-from controlplane.state.base import ApiKeyRecord, AuditEntry, TeamRecord
+from controlplane.state.base import ApiKeyRecord, AuditEntry, EventRecord, TeamRecord
 
 __all__ = ["SCHEMA_VERSION", "SqliteStore"]
 
 _T = TypeVar("_T")
 _M = TypeVar("_M", bound=BaseModel)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """``PRAGMA user_version`` of the layout below; a file from a newer Sarv is refused, never rewritten."""
 
 # Version n's statements take a file from version n - 1 to n. Append, never edit a released step.
@@ -44,7 +44,15 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE TRIGGER audit_no_delete BEFORE DELETE ON audit BEGIN "
         "SELECT RAISE(ABORT, 'the audit trail is append-only'); END",
     ),
+    3: (
+        "CREATE TABLE events (id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, "
+        "deployment TEXT, body TEXT NOT NULL)",
+        "CREATE INDEX events_by_deployment ON events (deployment, at)",
+    ),
 }
+
+EVENTS_KEPT = 5000
+"""Events beyond the newest this many are dropped on write."""
 
 _BUSY_TIMEOUT_MS = 30_000
 
@@ -263,6 +271,42 @@ class SqliteStore:
                 ).fetchall()
             )
         return [self._load(AuditEntry, r[0]) for r in rows]
+
+    # --- events
+
+    def append_event(self, event: EventRecord) -> None:
+        # Not a state change: readers polling the revision need not wake for it.
+        with self._lock:
+            self._guard(lambda: self._append_event(event))
+
+    def _append_event(self, event: EventRecord) -> None:
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            cur = conn.execute(
+                "INSERT INTO events (at, deployment, body) VALUES (?, ?, ?)",
+                (event.at, event.deployment, event.model_dump_json()),
+            )
+            last = cur.lastrowid or 0
+            if last % 100 == 0:
+                conn.execute("DELETE FROM events WHERE id <= ?", (last - EVENTS_KEPT,))
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    def list_events(
+        self, deployment: str | None = None, since: float = 0.0, limit: int = 1000
+    ) -> list[EventRecord]:
+        # (? IS NULL OR …) keeps one static statement for both the filtered and the unfiltered list.
+        sql = (
+            "SELECT body FROM (SELECT id, body FROM events WHERE at >= ? AND (? IS NULL OR deployment = ?) "
+            "ORDER BY id DESC LIMIT ?) ORDER BY id"
+        )
+        params = (since, deployment, deployment, limit)
+        with self._lock:
+            rows = self._guard(lambda: self._conn.execute(sql, params).fetchall())
+        return [self._load(EventRecord, r[0]) for r in rows]
 
     # --- change feed and lifecycle
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -86,6 +87,25 @@ def test_protocol_and_empty_store(store: StateStore) -> None:
     assert store.get_replica("x-0") is None
     assert store.get_api_key("0" * 64) is None
     assert store.get_api_key_by_name("x") is None
+
+
+def test_events_filter_order_limit_and_no_revision_bump(store: StateStore) -> None:
+    from controlplane.state.base import EventRecord
+
+    t0 = time.time()  # Redis streams index by the server's clock, so events carry real times
+    rev = store.revision()
+    for i, dep in enumerate(["a", "b", "a", None, "a"]):
+        store.append_event(
+            EventRecord(at=t0 + i, reason="Scaled", message=f"m{i}", deployment=dep, source="controller")
+        )
+    assert store.revision() == rev, "an event is not a state change"
+    assert [e.message for e in store.list_events()] == ["m0", "m1", "m2", "m3", "m4"]
+    assert [e.message for e in store.list_events("a")] == ["m0", "m2", "m4"]
+    assert [e.message for e in store.list_events("a", since=t0 + 1)] == ["m2", "m4"]
+    assert [e.message for e in store.list_events(limit=2)] == ["m3", "m4"], "the newest, oldest first"
+    assert store.list_events("zzz") == []
+    got = store.list_events("b")[0]
+    assert (got.type, got.reason, got.source) == ("Normal", "Scaled", "controller")
 
 
 def test_deployments_round_trip(store: StateStore) -> None:
