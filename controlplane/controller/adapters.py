@@ -108,7 +108,7 @@ class AdapterManager:
                 code, text = self.post(
                     f"{rec.endpoint}/v1/load_lora_adapter",
                     {"lora_name": name, "lora_path": paths[rec.id]},
-                    self.deployer.api_key,
+                    self.deployer.store.get_engine_key(rec.deployment),
                 )
                 if code != 200:
                     raise LaunchError(f"replica {rec.id} refused adapter {name!r}: HTTP {code}: {_why(text)}")
@@ -140,7 +140,9 @@ class AdapterManager:
         try:
             for rec in replicas:
                 code, text = self.post(
-                    f"{rec.endpoint}/v1/unload_lora_adapter", {"lora_name": name}, self.deployer.api_key
+                    f"{rec.endpoint}/v1/unload_lora_adapter",
+                    {"lora_name": name},
+                    self.deployer.store.get_engine_key(rec.deployment),
                 )
                 # 404: this replica no longer has it (restarted without it); nothing to undo there.
                 if code not in (200, 404):
@@ -164,7 +166,9 @@ class AdapterManager:
         for rec in replicas:
             try:
                 code, text = self.post(
-                    f"{rec.endpoint}/v1/unload_lora_adapter", {"lora_name": name}, self.deployer.api_key
+                    f"{rec.endpoint}/v1/unload_lora_adapter",
+                    {"lora_name": name},
+                    self.deployer.store.get_engine_key(rec.deployment),
                 )
                 if code not in (200, 404):
                     errors.append(f"{rec.id}: HTTP {code}: {_why(text)}")
@@ -187,7 +191,7 @@ class AdapterManager:
                 code, text = self.post(
                     f"{rec.endpoint}/v1/load_lora_adapter",
                     {"lora_name": adapter.name, "lora_path": str(path)},
-                    self.deployer.api_key,
+                    self.deployer.store.get_engine_key(rec.deployment),
                 )
                 if code != 200:
                     errors.append(f"{rec.id}: HTTP {code}: {_why(text)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -145,8 +146,6 @@ class Deployer:
     launcher_factory: LauncherFactory
     engines: Mapping[EngineKind, Engine]
     progress: Progress | None = None
-    api_key: SecretStr | None = None
-    """Key the engines require on ``/v1/*`` (the gateway's); never stored in state."""
     python: str = "python3"
     clock: Callable[[], float] = time.time
     sleep: Callable[[float], None] = time.sleep
@@ -356,6 +355,9 @@ class Deployer:
             plan = self._plan(spec, model)
             todo = list(range(spec.replicas))
             prepared = self._preflight(spec, model, plan, todo)
+            # The engine key: every replica of this deployment requires it on /v1/*; the gateway and
+            # the probes read it from the store. Kept apart from the records ``llmctl status`` prints.
+            self.store.put_engine_key(spec.name, SecretStr(secrets.token_urlsafe(32)))
             now = self.clock()
             record = DeploymentRecord(spec=spec, plan=plan, created_at=now, updated_at=now)
 
@@ -420,7 +422,8 @@ class Deployer:
                 shards=rplan.shards,
                 # Every GPU of the replica on the pp-rank-0 node: all its stages when pp stays in one node.
                 gpu_ids=[g for s in rplan.shards if s.node == shard0.node for g in self._gpu_ids(s)],
-                api_key=self.api_key,
+                # None for a deployment made before engine keys (it keeps running without one).
+                api_key=self.store.get_engine_key(spec.name),
                 # Remote launchers run their node's interpreter (settings.remote_python), not ours.
                 python=getattr(launcher, "python", None) or self.python,
                 max_model_len=spec.max_model_len or model.max_model_len,
@@ -511,7 +514,8 @@ class Deployer:
                         f"replica {rec.id} exited{code} during start-up: {last}",
                         hint=f"full log: {log}" if log else None,
                     )
-                if _http_check(f"{rec.endpoint}{rec.probes.ready}", self.api_key) is None:
+                key = self.store.get_engine_key(rec.deployment)
+                if _http_check(f"{rec.endpoint}{rec.probes.ready}", key) is None:
                     rec.state = ReplicaState.READY
                     rec.updated_at = self.clock()
                     rec.message = ""
@@ -553,6 +557,7 @@ class Deployer:
             self.store.delete_replica(item.record.id)
         if previous is None:
             self.store.delete_deployment(spec.name)
+            self.store.delete_engine_key(spec.name)
         else:
             self.store.put_deployment(previous)
         if errors:
@@ -592,7 +597,7 @@ class Deployer:
                 message = f"process {rec.handle.get('pid', '?')} is not running{code}"
             elif rec.endpoint and rec.state in PROBED_STATES:
                 path = probe_path(rec)
-                error = _http_check(f"{rec.endpoint}{path}", self.api_key)
+                error = _http_check(f"{rec.endpoint}{path}", self.store.get_engine_key(rec.deployment))
                 verdict = judge(rule, rec.state, rec.message, ok=error is None, error=error or "")
                 new_state, message = verdict.state, verdict.message
                 if error is None and new_state is ReplicaState.READY and proc.restarts:
@@ -626,6 +631,7 @@ class Deployer:
             self.store.delete_replica(rec.id)
             stopped.append(rec.id)
         self.store.delete_deployment(name)
+        self.store.delete_engine_key(name)
         return stopped
 
     def logs(self, replica_id: str, *, follow: bool = False, tail: int = 200) -> Iterator[str]:

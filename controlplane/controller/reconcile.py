@@ -206,8 +206,6 @@ class Reconciler:
     lease: Lease | None = None
     """None acts unconditionally (one controller by construction, e.g. tests of the loop itself)."""
     metrics: ControllerMetrics = field(default_factory=ControllerMetrics)
-    api_key: SecretStr | None = None
-    """Key the engines require on ``/v1/*``: the ready probe of a loading replica needs it."""
     clock: Callable[[], float] = time.time
     """Wall clock for ``updated_at``."""
     monotonic: Callable[[], float] = time.monotonic
@@ -321,7 +319,13 @@ class Reconciler:
 
     async def _probe_all(self, replicas: list[ReplicaRecord]) -> dict[str, ProbeResult]:
         todo = [r for r in replicas if r.state in PROBED_STATES and r.endpoint]
-        results = await asyncio.gather(*(self._bounded(self._probe(r), r.id) for r in todo))
+        # Each deployment's engine key: the ready probe of a loading replica is on /v1/*.
+        keys = {}
+        for name in sorted({r.deployment for r in todo}):
+            keys[name] = await asyncio.to_thread(self.store.get_engine_key, name)
+        results = await asyncio.gather(
+            *(self._bounded(self._probe(r, keys.get(r.deployment)), r.id) for r in todo)
+        )
         return {p.replica_id: p for p in results}
 
     async def _bounded(self, probe: Awaitable[ProbeResult], replica_id: str) -> ProbeResult:
@@ -331,14 +335,14 @@ class Reconciler:
         except TimeoutError:
             return ProbeResult(replica_id, ok=False, error=f"no answer within {self.config.probe_timeout_s}s")
 
-    async def _probe(self, rec: ReplicaRecord) -> ProbeResult:
+    async def _probe(self, rec: ReplicaRecord, api_key: SecretStr | None = None) -> ProbeResult:
         import httpx
 
         base = rec.endpoint or ""
         loading = rec.state is ReplicaState.STARTING
         headers = {}
-        if loading and self.api_key is not None:
-            headers["Authorization"] = f"Bearer {self.api_key.get_secret_value()}"
+        if api_key is not None:
+            headers["Authorization"] = f"Bearer {api_key.get_secret_value()}"
         try:
             resp = await self.client.get(base + probe_path(rec), headers=headers)
         except httpx.HTTPError as exc:

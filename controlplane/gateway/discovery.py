@@ -55,6 +55,8 @@ class Discovery:
                 self.store_ok = True
                 return
             records = await asyncio.to_thread(self._store.list_replicas)
+            names = sorted({r.deployment for r in records if r.state is ReplicaState.READY})
+            keys = {n: await asyncio.to_thread(self._store.get_engine_key, n) for n in names}
             self.store_ok = True
         except (StateError, OSError) as exc:
             # Keep routing to the last known replicas: a store outage must not take the API down.
@@ -71,6 +73,12 @@ class Discovery:
         ready = [r for r in records if r.state is ReplicaState.READY and r.endpoint]
         self._probes = {r.id: r.probes for r in ready}
         new = self._router.set_replicas(ready)
+        deployment = {r.id: r.deployment for r in ready}
+        for view in self._router.replicas:
+            key = keys.get(deployment.get(view.id, ""))
+            view.headers = {"content-type": "application/json"}
+            if key is not None:
+                view.headers["authorization"] = f"Bearer {key.get_secret_value()}"
         self._revision = rev
         counts: dict[str, int] = {}
         for r in records:
@@ -88,7 +96,9 @@ class Discovery:
         # The ready path is the model list; its cards report max_model_len, which prompts are checked against.
         url = view.endpoint + self._paths(view).ready
         try:
-            async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+            async with self._session.get(
+                url, headers=view.headers, timeout=aiohttp.ClientTimeout(total=2.0)
+            ) as resp:
                 if resp.status != 200:
                     return
                 data = await resp.json(content_type=None)
@@ -103,7 +113,9 @@ class Discovery:
     async def scrape(self, view: ReplicaView, timeout: float) -> None:
         try:
             async with self._session.get(
-                view.endpoint + self._paths(view).metrics, timeout=aiohttp.ClientTimeout(total=timeout)
+                view.endpoint + self._paths(view).metrics,
+                headers=view.headers,
+                timeout=aiohttp.ClientTimeout(total=timeout),
             ) as resp:
                 if resp.status != 200:
                     return

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 from controlplane.errors import ConfigError, StateError
 from controlplane.spec import DeploymentRecord, ReplicaRecord
@@ -80,6 +80,7 @@ class RedisStore:
         self._replicas = tag + "replicas"
         self._keys = tag + "apikeys"
         self._key_names = tag + "apikey-names"
+        self._engine_keys = tag + "engine-keys"
         self._revision = tag + "revision"
         self._teams = tag + "teams"
         self._audit = tag + "audit"
@@ -175,6 +176,18 @@ class RedisStore:
 
     def list_api_keys(self) -> list[ApiKeyRecord]:
         return sorted((r for _, r in self._values(ApiKeyRecord, self._keys)), key=lambda r: r.name)
+
+    # --- engine keys
+
+    def put_engine_key(self, deployment: str, key: SecretStr) -> None:
+        self._script("put", [self._engine_keys, self._revision], [deployment, key.get_secret_value()])
+
+    def get_engine_key(self, deployment: str) -> SecretStr | None:
+        value = self._call(lambda c: c.hget(self._engine_keys, deployment))
+        return None if value is None else SecretStr(value)
+
+    def delete_engine_key(self, deployment: str) -> bool:
+        return bool(self._script("delete", [self._engine_keys, self._revision], [deployment]))
 
     # --- teams
 

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 from controlplane.errors import StateError
 from controlplane.spec import DeploymentRecord, ReplicaRecord
@@ -22,7 +22,7 @@ __all__ = ["SCHEMA_VERSION", "SqliteStore"]
 _T = TypeVar("_T")
 _M = TypeVar("_M", bound=BaseModel)
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """``PRAGMA user_version`` of the layout below; a file from a newer Sarv is refused, never rewritten."""
 
 # Version n's statements take a file from version n - 1 to n. Append, never edit a released step.
@@ -49,6 +49,7 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "deployment TEXT, body TEXT NOT NULL)",
         "CREATE INDEX events_by_deployment ON events (deployment, at)",
     ),
+    4: ("CREATE TABLE engine_keys (deployment TEXT PRIMARY KEY, secret TEXT NOT NULL)",),
 }
 
 EVENTS_KEPT = 5000
@@ -231,6 +232,23 @@ class SqliteStore:
     def list_api_keys(self) -> list[ApiKeyRecord]:
         rows = self._read("SELECT body FROM api_keys ORDER BY name")
         return [self._load(ApiKeyRecord, r[0]) for r in rows]
+
+    # --- engine keys
+
+    def put_engine_key(self, deployment: str, key: SecretStr) -> None:
+        with self._write() as conn:
+            conn.execute(
+                "INSERT INTO engine_keys (deployment, secret) VALUES (?, ?) "
+                "ON CONFLICT (deployment) DO UPDATE SET secret = excluded.secret",
+                (deployment, key.get_secret_value()),
+            )
+
+    def get_engine_key(self, deployment: str) -> SecretStr | None:
+        rows = self._read("SELECT secret FROM engine_keys WHERE deployment = ?", (deployment,))
+        return SecretStr(rows[0][0]) if rows else None
+
+    def delete_engine_key(self, deployment: str) -> bool:
+        return self._delete("DELETE FROM engine_keys WHERE deployment = ?", deployment)
 
     # --- teams
 

@@ -64,6 +64,7 @@ def test_deploy_sim_serve_status_logs_undeploy(env: LlmctlEnv) -> None:
         resp = httpx.post(
             f"{r['endpoint']}/v1/chat/completions",
             json={"model": "sarv-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            headers={"Authorization": f"Bearer {env.engine_key('sarv-tiny')}"},
             timeout=30,
         )
         assert resp.status_code == 200, resp.text

@@ -6,6 +6,8 @@ teardown runs ``llmctl undeploy`` and fails if any vLLM process is left.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 from fixtures.vllm import VllmDeployment, group_members
@@ -16,7 +18,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def test_deployed_replica_answers_the_official_openai_client(vllm_tiny: VllmDeployment) -> None:
     import openai
 
-    client = openai.OpenAI(base_url=vllm_tiny.base_url, api_key="unused", timeout=120, max_retries=0)
+    key = vllm_tiny.engine_key(vllm_tiny.model)
+    assert key is not None
+    # The deployment's engine key guards /v1/*: without it vLLM refuses the request.
+    assert httpx.get(f"{vllm_tiny.base_url}/models", timeout=30).status_code == 401
+    assert key not in Path(f"/proc/{vllm_tiny.pid}/cmdline").read_bytes().decode(errors="replace")
+    client = openai.OpenAI(base_url=vllm_tiny.base_url, api_key=key, timeout=120, max_retries=0)
     models = [m.id for m in client.models.list()]
     assert models == ["sarv-tiny"]
     msg = [{"role": "user", "content": "Say hello."}]

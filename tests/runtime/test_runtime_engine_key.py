@@ -1,0 +1,57 @@
+"""The engine key: each deployment's replicas require it on ``/v1/*``; it never shows in argv or status."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fixtures.vllm import LlmctlEnv, kill_groups
+
+_CHAT = {"model": "sarv-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[LlmctlEnv]:
+    e = LlmctlEnv.create(tmp_path / "home")
+    yield e
+    pids: list[int] = []
+    with contextlib.suppress(AssertionError, ValueError):
+        pids = e.replica_pids()
+        for d in e.status()["deployments"]:
+            e.llmctl("undeploy", d["name"], "--yes", timeout=60)
+    assert not kill_groups(pids)
+
+
+def test_a_deployment_gets_an_engine_key_its_replica_enforces(env: LlmctlEnv) -> None:
+    out = env.llmctl("deploy", "sarv-tiny", "--engine", "sim", "-o", "json", check=True)
+    key = env.engine_key("sarv-tiny")
+    assert key is not None and len(key) >= 32
+    assert key not in out.stdout and key not in out.stderr
+    status = env.llmctl("status", "-o", "json", check=True).stdout
+    assert key not in status
+    [replica] = json.loads(status)["deployments"][0]["replicas"]
+    assert replica["state"] == "ready"
+    url = f"{replica['endpoint']}/v1/chat/completions"
+    assert httpx.post(url, json=_CHAT, timeout=30).status_code == 401
+    bad = httpx.post(url, json=_CHAT, headers={"Authorization": "Bearer wrong"}, timeout=30)
+    assert bad.status_code == 401
+    good = httpx.post(url, json=_CHAT, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    assert good.status_code == 200, good.text
+    # Never in the process list; the environment is readable by the replica's user only.
+    pid = replica["pid"]
+    assert key not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    assert stat.S_IMODE(os.stat(f"/proc/{pid}/environ").st_mode) & 0o077 == 0
+    log = (env.home / "replicas").rglob("*.log")
+    assert all(key not in p.read_text(errors="replace") for p in log)
+    # Deploying the same spec again changes nothing, the key included; undeploy forgets it.
+    again = env.llmctl("deploy", "sarv-tiny", "--engine", "sim", check=True)
+    assert "unchanged" in again.stdout
+    assert env.engine_key("sarv-tiny") == key
+    env.llmctl("undeploy", "sarv-tiny", "--yes", check=True)
+    assert env.engine_key("sarv-tiny") is None
