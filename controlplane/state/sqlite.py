@@ -349,13 +349,17 @@ def _create_private(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     # O_CREAT with 0600 before sqlite3 opens it: SQLite would create it with the umask's mode, and its
     # -wal/-shm files copy the database file's permissions.
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        mode = stat.S_IMODE(os.fstat(fd).st_mode)
-        if mode & 0o077:
-            os.fchmod(fd, 0o600)
-    finally:
-        os.close(fd)
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        # Do not open an existing file here, not even briefly: POSIX locks belong to the process, and
+        # closing any descriptor of the file drops the SHARED lock that another SqliteStore of this
+        # process holds on it. The next process to close its connection then believes it is the last
+        # one, checkpoints and deletes the -wal and -shm files, and that other store keeps reading the
+        # deleted copies: the same stale rows and revision for ever. (SQLite's own descriptors are
+        # shared per file inside the process and never closed while a lock is held.)
+        if stat.S_IMODE(os.stat(path).st_mode) & 0o077:
+            os.chmod(path, 0o600)
 
 
 def _hint(exc: sqlite3.Error) -> str | None:

@@ -81,8 +81,13 @@ def test_pp2_replica_runs_a_joined_ray_cluster_across_two_hosts_and_tears_it_dow
     for text in (engine, worker):
         assert "NoNewPrivileges=yes" in text and "ProtectSystem=strict" in text and "DynamicUser=yes" in text
 
+    key = w.store.get_engine_key("pipe")
+    assert key is not None
     resp = httpx.post(
-        f"{rec.endpoint}/v1/completions", json={"model": "pipe", "prompt": "hi", "max_tokens": 2}, timeout=30
+        f"{rec.endpoint}/v1/completions",
+        json={"model": "pipe", "prompt": "hi", "max_tokens": 2},
+        headers={"Authorization": f"Bearer {key.get_secret_value()}"},
+        timeout=30,
     )
     assert resp.status_code == 200, resp.text
 

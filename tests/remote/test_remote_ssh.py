@@ -13,7 +13,6 @@ import httpx
 import pytest
 from fixtures.common import free_port
 from fixtures.testhosts import TestHost
-from pydantic import SecretStr
 
 from controlplane.errors import DiscoveryError, LaunchError
 from controlplane.settings import Settings
@@ -44,10 +43,12 @@ def test_sim_replicas_run_as_hardened_units_and_undeploy_removes_them(
     fleet = _discovered(remote_hosts, remote_nodes)
     assert [n.gpu_model for n in fleet.nodes] == ["L4", "L4"]
     w = wired(fleet)
-    w.deployer.api_key = SecretStr("sk-remote-secret-123")
     spec = DeploymentSpec(name="web", model="sarv-tiny", replicas=2, engine=EngineKind.SIM)
     result = w.deployer.deploy(spec, timeout=120)
     assert result.changed
+    engine_key = w.store.get_engine_key("web")
+    assert engine_key is not None
+    secret = engine_key.get_secret_value()
     by_node = {r.node: r for r in result.replicas}
     assert sorted(by_node) == [h.name for h in remote_hosts]
     for host in remote_hosts:
@@ -58,7 +59,7 @@ def test_sim_replicas_run_as_hardened_units_and_undeploy_removes_them(
         assert rec.endpoint is not None and rec.endpoint.startswith(f"http://{host.ip}:")
         resp = httpx.post(
             f"{rec.endpoint}/v1/chat/completions",
-            headers={"Authorization": "Bearer sk-remote-secret-123"},
+            headers={"Authorization": f"Bearer {secret}"},
             json={"model": "web", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
             timeout=30,
         )
@@ -67,12 +68,12 @@ def test_sim_replicas_run_as_hardened_units_and_undeploy_removes_them(
         text = host.exec(f"cat /etc/systemd/system/{unit}").stdout
         for line in _HARDENING:
             assert line.replace("web-0", rec.id) in text.splitlines(), line
-        assert "sk-remote-secret" not in text
+        assert secret not in text
         assert host.exec(f"systemctl is-active {unit}").stdout.strip() == "active"
         env_file = rec.handle["env_file"]
         assert host.exec(f"stat -c '%a %U' {env_file}").stdout.split() == ["600", "root"]
         # The secret is in no process list on the node.
-        assert "sk-remote-secret" not in host.exec("cat /proc/[0-9]*/cmdline | tr '\\0' ' '").stdout
+        assert secret not in host.exec("cat /proc/[0-9]*/cmdline | tr '\\0' ' '").stdout
         # The process runs as an unprivileged dynamic user, sandboxed by systemd.
         pid = host.exec(f"systemctl show -p MainPID --value {unit}").stdout.strip()
         assert host.exec(f"stat -c %u /proc/{pid}").stdout.strip() != "0"

@@ -66,9 +66,14 @@ def store(env: LlmctlEnv) -> Iterator[StateStore]:
     s.close()
 
 
-def _served(endpoint: str) -> dict[str, str | None]:
-    data = httpx.get(f"{endpoint}/v1/models", timeout=10).json()["data"]
-    return {m["id"]: m["parent"] for m in data}
+def _cards(endpoint: str, engine_key: str | None) -> list[dict[str, str | None]]:
+    """The replica's own model cards, asked with the deployment's engine key."""
+    headers = {"Authorization": f"Bearer {engine_key}"} if engine_key else {}
+    return httpx.get(f"{endpoint}/v1/models", headers=headers, timeout=10).json()["data"]  # type: ignore[no-any-return]
+
+
+def _served(endpoint: str, engine_key: str | None) -> dict[str, str | None]:
+    return {m["id"]: m["parent"] for m in _cards(endpoint, engine_key)}
 
 
 def _gateway_models(url: str, key: str, want: str, present: bool) -> set[str]:
@@ -89,12 +94,14 @@ def test_add_route_remove_an_adapter_on_every_replica(
     env: LlmctlEnv, store: StateStore, gateway_factory: GatewayStarter, tmp_path: Path
 ) -> None:
     key = add_key(store)
+    engine_key = env.engine_key("sarv-tiny")
     gw = gateway_factory(store)
     src = _adapter(tmp_path / "sql")
     out = env.llmctl("lora", "add", "sarv-tiny", "sql", "--source", str(src), check=True)
     assert "adapter sql loaded on sarv-tiny-0, sarv-tiny-1" in out.stdout
     for rec in store.list_replicas("sarv-tiny"):
-        assert _served(rec.endpoint)["sql"] == "sarv-tiny"  # vLLM's card: the parent is the base model
+        # vLLM's card: the parent is the base model
+        assert _served(rec.endpoint, engine_key)["sql"] == "sarv-tiny"
         assert rec.adapters == ["sql"]
     record = store.get_deployment("sarv-tiny")
     assert record is not None and [a.name for a in record.spec.lora_adapters] == ["sql"]
@@ -114,7 +121,7 @@ def test_add_route_remove_an_adapter_on_every_replica(
 
     out = env.llmctl("lora", "remove", "sarv-tiny", "sql", check=True)
     for rec in store.list_replicas("sarv-tiny"):
-        assert "sql" not in _served(rec.endpoint)
+        assert "sql" not in _served(rec.endpoint, engine_key)
     assert "sql" not in _gateway_models(gw.url, key, "sql", present=False)
     record = store.get_deployment("sarv-tiny")
     assert record is not None and record.spec.lora_adapters == []
@@ -131,7 +138,7 @@ def test_a_replica_that_fails_the_add_rolls_it_back_on_the_others(
     out = env.llmctl("lora", "add", "sarv-tiny", "sql", "--source", str(_adapter(tmp_path / "sql")))
     assert out.returncode != 0
     assert "was unloaded from the others" in out.stderr and "Traceback" not in out.stderr
-    assert "sql" not in _served(replicas["sarv-tiny-0"].endpoint)
+    assert "sql" not in _served(replicas["sarv-tiny-0"].endpoint, env.engine_key("sarv-tiny"))
     record = store.get_deployment("sarv-tiny")
     assert record is not None and record.spec.lora_adapters == []
     assert all(r.adapters == [] for r in store.list_replicas("sarv-tiny"))
@@ -142,7 +149,11 @@ def test_a_deployment_without_lora_refuses_an_add(env: LlmctlEnv, tmp_path: Path
     out = env.llmctl("lora", "add", "sarv-tiny", "sql", "--source", str(_adapter(tmp_path / "sql")))
     assert out.returncode == 2 and "was started without LoRA" in out.stderr
     [rec] = env.status()["deployments"][0]["replicas"]
-    resp = httpx.post(f"{rec['endpoint']}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/"})
+    resp = httpx.post(
+        f"{rec['endpoint']}/v1/load_lora_adapter",
+        json={"lora_name": "x", "lora_path": "/"},
+        headers={"Authorization": f"Bearer {env.engine_key('sarv-tiny')}"},
+    )
     assert resp.status_code == 404  # without the switch the engine has no such route, as vLLM
 
 
@@ -155,7 +166,7 @@ def test_deploy_copies_adapters_into_the_node_cache_and_serves_them_from_there(
     assert landed.parent.name == "sarv-tiny-lora-sql"
     assert (landed / "SHA256SUMS").read_text() == (src / "SHA256SUMS").read_text()
     [rec] = env.status()["deployments"][0]["replicas"]
-    cards = {m["id"]: m for m in httpx.get(f"{rec['endpoint']}/v1/models", timeout=10).json()["data"]}
+    cards = {m["id"]: m for m in _cards(rec["endpoint"], env.engine_key("sarv-tiny"))}
     assert cards["sql"]["root"] == str(landed) and cards["sql"]["parent"] == "sarv-tiny"
 
 

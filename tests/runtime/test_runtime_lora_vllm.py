@@ -55,12 +55,17 @@ def test_a_real_vllm_loads_and_unloads_an_adapter_at_run_time(env: LlmctlEnv, tm
     src = _tiny_adapter(tmp_path / "sql", cfg["hidden_size"], cfg["num_hidden_layers"])
     env.llmctl("lora", "add", "sarv-tiny", "sql", "--source", str(src), timeout=120, check=True)
     [rec] = env.status()["deployments"][0]["replicas"]
-    cards = {m["id"]: m for m in httpx.get(f"{rec['endpoint']}/v1/models", timeout=10).json()["data"]}
+    auth = {"Authorization": f"Bearer {env.engine_key('sarv-tiny')}"}
+    cards = {
+        m["id"]: m for m in httpx.get(f"{rec['endpoint']}/v1/models", headers=auth, timeout=10).json()["data"]
+    }
     assert cards["sql"]["parent"] == "sarv-tiny"
     assert cards["sql"]["root"] != str(src)  # served from the node's model cache, not the source
     body = {"model": "sql", "prompt": "hi", "max_tokens": 2}
-    resp = httpx.post(f"{rec['endpoint']}/v1/completions", json=body, timeout=60)
+    resp = httpx.post(f"{rec['endpoint']}/v1/completions", json=body, headers=auth, timeout=60)
     assert resp.status_code == 200, resp.text
     env.llmctl("lora", "remove", "sarv-tiny", "sql", timeout=120, check=True)
-    ids = {m["id"] for m in httpx.get(f"{rec['endpoint']}/v1/models", timeout=10).json()["data"]}
+    ids = {
+        m["id"] for m in httpx.get(f"{rec['endpoint']}/v1/models", headers=auth, timeout=10).json()["data"]
+    }
     assert ids == {"sarv-tiny"}

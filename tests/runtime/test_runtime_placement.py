@@ -126,7 +126,8 @@ def test_sim_on_this_hosts_declared_gpus_runs_locally_on_them(gpu_host: LlmctlEn
     for r in dep["replicas"]:
         assert r["endpoint"].startswith("http://127.0.0.1:")
         assert group_members(r["pid"])
-        resp = httpx.get(f"{r['endpoint']}/v1/models", timeout=30)
+        auth = {"Authorization": f"Bearer {gpu_host.engine_key('sarv-tiny')}"}
+        resp = httpx.get(f"{r['endpoint']}/v1/models", headers=auth, timeout=30)
         assert resp.status_code == 200, resp.text
     environ = Path(f"/proc/{dep['replicas'][1]['pid']}/environ").read_bytes().split(b"\0")
     assert b"CUDA_VISIBLE_DEVICES=1" in environ

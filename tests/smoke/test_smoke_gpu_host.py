@@ -238,7 +238,14 @@ def test_a_small_model_is_served_by_a_vllm_replica(tmp_path: Path, smoke_facts: 
         assert endpoint, deployment
         import httpx
 
-        served = httpx.get(f"{endpoint}/v1/models", timeout=30).json()
+        from controlplane.state import open_store
+
+        store = open_store(f"sqlite:///{tmp_path / 'home' / 'state.db'}")
+        engine_key = store.get_engine_key(name)
+        store.close()
+        assert engine_key is not None, "the deployment has no engine key"
+        auth = {"Authorization": f"Bearer {engine_key.get_secret_value()}"}
+        served = httpx.get(f"{endpoint}/v1/models", headers=auth, timeout=30).json()
         served_name = served["data"][0]["id"]
         key = sarv("keys", "create", f"{name}-key").stdout.strip().splitlines()[-1]
         port = _free_port()

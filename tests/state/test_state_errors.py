@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import stat
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -169,6 +171,33 @@ def test_sqlite_existing_world_readable_file_is_tightened(tmp_path: Path) -> Non
     path.chmod(0o644)
     open_store(f"sqlite:///{path}").close()
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+_WRITER = """
+import sys
+from pathlib import Path
+from controlplane.state.sqlite import SqliteStore
+from state.records import deployment
+store = SqliteStore(Path(sys.argv[1]))
+store.put_deployment(deployment(sys.argv[2]))
+store.close()
+"""
+
+
+def test_sqlite_a_second_store_in_the_process_does_not_blind_the_first(tmp_path: Path) -> None:
+    # Opening (and closing) another store on the same file must leave the first one's POSIX lock in
+    # place: without it, the next process to close believes it is the last, deletes the -wal and -shm
+    # files, and the first store keeps reading their deleted copies.
+    path = tmp_path / "state.db"
+    first = open_store(f"sqlite:///{path}")
+    assert first.revision() == 0
+    open_store(f"sqlite:///{path}").close()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for n, name in enumerate(("a", "b", "c"), start=1):
+        subprocess.run([sys.executable, "-c", _WRITER, str(path), name], check=True, env=env, timeout=60)
+        assert first.revision() == n  # read between the writers, as the gateway's discovery does
+    assert [d.name for d in first.list_deployments()] == ["a", "b", "c"]
+    first.close()
 
 
 def test_sqlite_relative_path_and_reopen_keeps_revision(
