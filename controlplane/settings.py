@@ -98,6 +98,18 @@ class Settings(BaseSettings):
     """When set, unknown or changed host keys of remote nodes are refused."""
     gateway_host: str = "127.0.0.1"
     gateway_port: int = Field(default=8080, ge=1, le=65535)
+    gateway_tls_cert: Path | None = None
+    """PEM certificate chain of the gateway's HTTPS listener (with ``gateway_tls_key``), reloaded on HUP."""
+    gateway_tls_key: Path | None = None
+    """Its unencrypted PEM private key (0600, readable by the gateway's user only)."""
+    gateway_tls_client_ca: Path | None = None
+    """When set, callers must present a client certificate this CA signed (service-to-service mTLS)."""
+    gateway_metrics_host: str = "127.0.0.1"
+    """Address of the gateway's metrics listener (``/metrics``): loopback, or the private interface."""
+    gateway_metrics_port: int = Field(default=9107, ge=0, le=65535)
+    """Its port; 0: no metrics listener."""
+    gateway_metrics_token_file: Path | None = None
+    """A file holding a bearer token that scrapers of ``/metrics`` must present (none: no token)."""
     ratelimit_fail_open: bool = True
     """When the rate limiter's Redis is unreachable: admit (True, the default) or refuse with 503."""
     ratelimit_lease_fraction: float = Field(default=0.002, ge=0.0, le=0.1)

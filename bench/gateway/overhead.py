@@ -157,7 +157,10 @@ def start_targets(
     )
     port = free_port()
     p = procs.start(
-        "sarv", [PY, "-m", "controlplane.cli.main", "gateway", "--port", str(port)], cpu=core(1), env=env
+        "sarv",
+        [PY, "-m", "controlplane.cli.main", "gateway", "--port", str(port), "--metrics-port", "0"],
+        cpu=core(1),
+        env=env,
     )
     wait_http(f"http://127.0.0.1:{port}/health")
     targets["sarv"] = {

@@ -16,6 +16,8 @@ from collections.abc import Callable
 import aiohttp
 from pydantic import BaseModel
 
+from controlplane.errors import SarvError
+from controlplane.gateway.admin import AdminListener
 from controlplane.gateway.admission import Admission
 from controlplane.gateway.asgi import Receive, Scope, Send, respond, respond_error
 from controlplane.gateway.auth import KeyCache
@@ -40,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 
 class GatewayApp:
-    """ASGI app. Inject ``store`` (replicas, keys), ``limiter``, ``session`` (upstream) and the clocks."""
+    """ASGI app. Inject ``store`` (replicas, keys), ``limiter``, ``session`` (upstream), the clocks and
+    ``admin``, the listener that serves ``/metrics`` while the app runs (None: no metrics endpoint)."""
 
     def __init__(
         self,
@@ -53,6 +56,7 @@ class GatewayApp:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         tune_gc: bool = False,
+        admin: AdminListener | None = None,
     ) -> None:
         """``tune_gc``: freeze the start-up heap and collect the young generation less often. For the
         process that serves the app (``server.create_app``), not for one that merely embeds it."""
@@ -84,6 +88,7 @@ class GatewayApp:
         self.guardrails = Guardrails(self.config.guardrails, self.upstream.ask, metrics=self.metrics)
         self.upstream.output_filter = self.guardrails.output_filter
         self._mono = monotonic
+        self.admin = admin
         self._session = session
         self._own_session = session is None
         self._discovery: Discovery | None = None
@@ -111,11 +116,15 @@ class GatewayApp:
         await self._discovery.refresh()
         self._discovery.start(r.discovery_interval_s, r.scrape_interval_s)
         self._openapi = json.dumps(openapi_document()).encode()
+        if self.admin is not None:
+            await self.admin.start(self.metrics)
         if self._tune_gc:
             _freeze_heap()
         self._started = True
 
     async def shutdown(self) -> None:
+        if self.admin is not None:
+            await self.admin.stop()
         if self._discovery is not None:
             await self._discovery.stop()
         if self._own_session and self._session is not None:
@@ -140,6 +149,10 @@ class GatewayApp:
             if msg["type"] == "lifespan.startup":
                 try:
                     await self.startup()
+                except SarvError as exc:  # the operator's mistake (a port taken): one line, no traceback
+                    logger.error("gateway start-up failed: %s", exc)
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
                 except Exception as exc:  # reported to the server, which refuses to start
                     logger.exception("gateway start-up failed")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
@@ -173,11 +186,15 @@ class GatewayApp:
             ok = self._discovery is not None and self._discovery.store_ok and bool(self.router.replicas)
             await respond(send, 200 if ok else 503, b'{"ready":true}' if ok else b'{"ready":false}')
         elif path == "/metrics":
-            await respond(
+            # Not on the public port: the series name every key. See admin.py.
+            await respond_error(
                 send,
-                200,
-                self.metrics.render(),
-                [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")],
+                ApiError(
+                    404,
+                    "no route GET /metrics on the API port: metrics are served on the gateway's metrics "
+                    "listener (gateway_metrics_host:gateway_metrics_port)",
+                    code="not_found",
+                ),
             )
         elif path == "/openapi.json":
             await respond(send, 200, self._openapi or json.dumps(openapi_document()).encode())
@@ -267,7 +284,7 @@ class GatewayApp:
             m.child(m.e2e, job.model_label).observe(self._mono() - job.start)
 
 
-_GETS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "/v1/models"})
+_GETS = frozenset({"/health", "/ready", "/openapi.json", "/v1/models"})
 
 
 def _freeze_heap() -> None:

@@ -10,19 +10,22 @@ from pathlib import Path
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from controlplane.errors import ConfigError
+from controlplane.gateway.admin import AdminListener, read_token
 from controlplane.gateway.app import GatewayApp
 from controlplane.gateway.config import load_gateway_config
 from controlplane.gateway.errors import error_body
 from controlplane.gateway.ratelimit import InProcessLimiter, RateLimiter, RedisLimiter
+from controlplane.gateway.tls import TlsContextFactory, TlsFiles
 from controlplane.settings import Settings, load_settings
 from controlplane.state.clients import async_client, is_redis_url, redis_endpoint
 
-__all__ = ["build_app", "create_app", "serve"]
+__all__ = ["admin_listener", "build_app", "create_app", "serve"]
 
 logger = logging.getLogger(__name__)
 
-# The config file path travels to uvicorn's worker processes in the environment.
+# The config file path and the worker count travel to uvicorn's worker processes in the environment.
 _CONFIG_ENV = "SARV_GATEWAY_CONFIG"
+_WORKERS_ENV = "SARV_GATEWAY_WORKERS"
 
 
 def _limiter(settings: Settings) -> RateLimiter:
@@ -41,13 +44,28 @@ def _limiter(settings: Settings) -> RateLimiter:
     )
 
 
-def build_app(settings: Settings, config_path: Path | None = None, *, tune_gc: bool = False) -> GatewayApp:
-    """The app for these settings; nothing connects until the ASGI lifespan starts it."""
+def admin_listener(settings: Settings, *, workers: int = 1) -> AdminListener | None:
+    """The metrics listener the settings ask for (None with ``gateway_metrics_port`` 0)."""
+    if settings.gateway_metrics_port == 0:
+        return None
+    return AdminListener(
+        host=settings.gateway_metrics_host,
+        port=settings.gateway_metrics_port,
+        token=read_token(settings.gateway_metrics_token_file),
+        reuse_port=workers > 1,
+    )
+
+
+def build_app(
+    settings: Settings, config_path: Path | None = None, *, tune_gc: bool = False, workers: int = 1
+) -> GatewayApp:
+    """The app for these settings; nothing connects or listens until the ASGI lifespan starts it."""
     from controlplane.state import open_store
 
     config = load_gateway_config(config_path)
+    admin = admin_listener(settings, workers=workers)
     store = open_store(settings.resolved_state_url, settings)
-    return GatewayApp(store=store, config=config, limiter=_limiter(settings), tune_gc=tune_gc)
+    return GatewayApp(store=store, config=config, limiter=_limiter(settings), tune_gc=tune_gc, admin=admin)
 
 
 _REQUEST_LINE_BYTES = 8192
@@ -139,14 +157,26 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 def create_app() -> GatewayApp:
     """uvicorn factory (``--workers`` > 1 imports this in every worker)."""
     path = os.environ.get(_CONFIG_ENV)
-    app = build_app(load_settings(), Path(path) if path else None, tune_gc=True)
+    workers = int(os.environ.get(_WORKERS_ENV, "1"))
+    app = build_app(load_settings(), Path(path) if path else None, tune_gc=True, workers=workers)
     GatewayHttpProtocol.head_timeout_s = app.config.limits.header_timeout_s
     GatewayHttpProtocol.head_max_bytes = app.config.limits.max_header_bytes + _REQUEST_LINE_BYTES
     return app
 
 
-def serve(settings: Settings, *, host: str, port: int, workers: int, config_path: Path | None) -> None:
-    """Run uvicorn (uvloop + httptools, no access log) until interrupted."""
+def serve(
+    settings: Settings,
+    *,
+    host: str,
+    port: int,
+    workers: int,
+    config_path: Path | None,
+    tls: TlsFiles | None = None,
+) -> None:
+    """Run uvicorn (uvloop + httptools, no access log) until interrupted; HTTPS with ``tls``.
+
+    The metrics listener comes from ``settings`` (``gateway_metrics_*``), read again by each worker.
+    """
     import uvicorn
 
     if workers > 1 and not is_redis_url(settings.resolved_state_url):
@@ -154,12 +184,21 @@ def serve(settings: Settings, *, host: str, port: int, workers: int, config_path
             f"--workers {workers} needs Redis state (rate limits are shared only through Redis)",
             hint="set SARV_STATE_URL=redis://… or run one worker",
         )
+    admin_listener(settings)  # the token file: fail here, with one line, rather than in every worker
+    # Workers read their settings again: the effective metrics address (options included) goes with them.
+    os.environ[_WORKERS_ENV] = str(workers)
+    os.environ["SARV_GATEWAY_METRICS_HOST"] = settings.gateway_metrics_host
+    os.environ["SARV_GATEWAY_METRICS_PORT"] = str(settings.gateway_metrics_port)
     if config_path is not None:
         load_gateway_config(config_path)  # fail here, with one line, rather than in every worker
         os.environ[_CONFIG_ENV] = str(config_path)
     else:
         os.environ.pop(_CONFIG_ENV, None)
-    logger.info("gateway on http://%s:%d (%d worker%s)", host, port, workers, "s" if workers > 1 else "")
+    scheme = "https" if tls else "http"
+    mtls = " (client certificates required)" if tls and tls.client_ca else ""
+    logger.info(
+        "gateway on %s://%s:%d%s (%d worker%s)", scheme, host, port, mtls, workers, "s" if workers > 1 else ""
+    )
     uvicorn.run(
         "controlplane.gateway.server:create_app",
         factory=True,
@@ -179,4 +218,6 @@ def serve(settings: Settings, *, host: str, port: int, workers: int, config_path
         limit_concurrency=8192,
         backlog=4096,
         log_level="info",
+        # Rebuilt in each worker; reloaded in place on SIGHUP (tls.py).
+        ssl_context_factory=TlsContextFactory(tls) if tls else None,
     )

@@ -238,7 +238,10 @@ class Upstream:
             url = self._urls[(replica.endpoint, job.path)] = URL(replica.endpoint + job.path)
         async with session.post(
             # The request's id and trace headers, then the replica's content type and engine key.
-            url, data=job.body, headers=job.headers | replica.headers, timeout=job.timeout or self._timeout
+            url,
+            data=job.body,
+            headers=job.headers | replica.headers,
+            timeout=job.timeout or self._timeout,
         ) as resp:
             status = resp.status
             if status in _RETRY_STATUS:

@@ -131,7 +131,7 @@ def test_probes_and_metrics(setup):
     httpx.post(
         f"{gw.url}/v1/completions", headers=_auth(key), json={"model": "m1", "prompt": "x", "max_tokens": 2}
     )
-    text = httpx.get(f"{gw.url}/metrics").text
+    text = httpx.get(gw.metrics_url).text
     assert 'sarv_gateway_requests_total{key="alice",model="m1",status="200"} 1.0' in text
     assert 'sarv_gateway_routing_decisions_total{policy="prefix+load",replica="m1-0"}' in text
     assert 'sarv_gateway_replicas{state="ready"} 1.0' in text

@@ -5,15 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from fixtures.common import free_port, need, wait_port
+from fixtures.common import free_port, need
+from fixtures.gateway import gateway_process
 
 from controlplane.cli.keys import parse_duration
 from controlplane.cli.main import main
@@ -110,32 +108,6 @@ def test_parse_duration():
         parse_duration("3 weeks")
 
 
-@contextlib.contextmanager
-def _gateway_process(tmp_path: Path, *args: str) -> Iterator[int]:
-    """``llmctl gateway`` as users start it, in its own process; yields its port."""
-    port = free_port()
-    env = {
-        "SARV_HOME": str(tmp_path),
-        "SARV_STATE_URL": f"sqlite:///{tmp_path / 'state.db'}",
-        "SARV_CONFIG": str(tmp_path / "absent.yaml"),
-        "PATH": "/usr/bin:/bin",
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "controlplane.cli.main", "gateway", "--port", str(port), *args],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        wait_port(port, timeout=30)
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
-        assert proc.stderr is not None
-        proc.stderr.close()
-
-
 @pytest.mark.slow
 def test_llmctl_gateway_serves(tmp_path, capsys, sim_server):
     sim = sim_server(served_model_name="m1")
@@ -144,7 +116,7 @@ def test_llmctl_gateway_serves(tmp_path, capsys, sim_server):
     store = _store(tmp_path)
     add_replica(store, sim.url, "m1", rid="m1-0")
     key = add_key(store, "cli")
-    with _gateway_process(tmp_path) as port:
+    with gateway_process(tmp_path) as (port, _):
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             headers={"Authorization": f"Bearer {key}"},
@@ -163,7 +135,7 @@ def test_clients_trickling_headers_get_408_and_others_are_served(tmp_path):
     _store(tmp_path)
     cfg = tmp_path / "gateway.yaml"
     cfg.write_text("limits:\n  header_timeout_s: 1\n")
-    with _gateway_process(tmp_path, "--config", str(cfg)) as port:
+    with gateway_process(tmp_path, "--config", str(cfg)) as (port, _):
         silent = socket.create_connection(("127.0.0.1", port))
         slow = socket.create_connection(("127.0.0.1", port))
         try:
@@ -195,7 +167,7 @@ def _read_until_closed(sock: socket.socket) -> bytes:
 def test_endless_headers_are_cut_off_while_arriving(tmp_path):
     # 16 KiB of headers (+ 8 KiB for the request line) is the limit; this client never stops sending.
     _store(tmp_path)
-    with _gateway_process(tmp_path) as port, socket.create_connection(("127.0.0.1", port)) as sock:
+    with gateway_process(tmp_path) as (port, _), socket.create_connection(("127.0.0.1", port)) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         with contextlib.suppress(OSError):  # the gateway may close while we still send
             for i in range(100):

@@ -255,7 +255,7 @@ def test_pii_redaction_does_not_parse_the_body_again(guarded, monkeypatch):
 
 
 def _metric(gw: Any, series: str) -> float:
-    text = httpx.get(f"{gw.url}/metrics").text
+    text = httpx.get(gw.metrics_url).text
     m = re.search(rf"^{re.escape(series)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
@@ -298,7 +298,7 @@ def test_moderation_calls_are_queued_retried_ejected_and_metered_like_requests(t
     assert _metric(gw, 'sarv_gateway_queue_seconds_count{model="guard"}') == sent
     assert (
         'sarv_gateway_prompt_tokens_total{key="gateway:moderation",model="guard"}'
-        in httpx.get(f"{gw.url}/metrics").text
+        in httpx.get(gw.metrics_url).text
     )
     assert [s["model"] for s in app.seen].count("guard") == sent
 

@@ -231,7 +231,7 @@ def test_gateway_answers_429_with_retry_after(limited_gateway):
     assert codes == [200, 200, 200, 429, 429]
     assert int(r.headers["retry-after"]) >= 1
     assert r.json()["error"]["type"] == "rate_limit_error"
-    metrics = httpx.get(f"{gw.url}/metrics").text
+    metrics = httpx.get(gw.metrics_url).text
     assert 'sarv_gateway_ratelimit_rejections_total{key="rl",reason="rpm"} 2.0' in metrics
 
 
@@ -247,6 +247,5 @@ def test_gateway_with_redis_down_fails_closed_when_told(limited_gateway):
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "ratelimit_unavailable"
     assert (
-        'sarv_gateway_ratelimit_backend_errors_total{action="refused"} 1.0'
-        in httpx.get(f"{gw.url}/metrics").text
+        'sarv_gateway_ratelimit_backend_errors_total{action="refused"} 1.0' in httpx.get(gw.metrics_url).text
     )

@@ -205,6 +205,6 @@ def test_dead_replica_is_retried_elsewhere_and_ejected(two_sims):
         )
         assert r.status_code == 200
         assert r.headers["x-sarv-replica"] != "m-dead"
-    text = httpx.get(f"{gw.url}/metrics").text
+    text = httpx.get(gw.metrics_url).text
     assert "sarv_gateway_retries_total 1.0" in text  # ejected after the first failure: one retry only
     assert 'sarv_gateway_upstream_errors_total{replica="m-dead"} 1.0' in text

@@ -125,7 +125,18 @@ def test_llmctl_gateway_workers_on_a_tls_cluster(tmp_path: Path, tls_acl_cluster
         "PATH": "/usr/bin:/bin",
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "controlplane.cli.main", "gateway", "--workers", "2", "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "controlplane.cli.main",
+            "gateway",
+            "--workers",
+            "2",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(free_port()),
+        ],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

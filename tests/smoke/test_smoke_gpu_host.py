@@ -250,7 +250,16 @@ def test_a_small_model_is_served_by_a_vllm_replica(tmp_path: Path, smoke_facts: 
         key = sarv("keys", "create", f"{name}-key").stdout.strip().splitlines()[-1]
         port = _free_port()
         gateway = subprocess.Popen(
-            [llmctl, "gateway", "--host", "127.0.0.1", "--port", str(port)],
+            [
+                llmctl,
+                "gateway",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--metrics-port",
+                str(_free_port()),
+            ],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
