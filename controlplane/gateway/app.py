@@ -29,7 +29,7 @@ from controlplane.gateway.metrics import GatewayMetrics
 from controlplane.gateway.ratelimit import InProcessLimiter, RateLimiter
 from controlplane.gateway.requests import ENDPOINTS, RequestChecks, prompt_parts
 from controlplane.gateway.routing import Router
-from controlplane.gateway.schemas import ModelCard, ModelList, openapi_document
+from controlplane.gateway.schemas import AudioRequest, ModelCard, ModelList, openapi_document
 from controlplane.gateway.upstream import Job, Upstream, trace_headers
 from controlplane.state.base import ApiKeyRecord, StateStore
 
@@ -255,8 +255,14 @@ class GatewayApp:
             record = await self.admission.authenticate(scope)
             job.key = record.name
             body = await checks.read_body(scope, receive)
-            req = checks.parse(schema, body)
-            job.model = checks.resolve_model(record, req)
+            if schema is AudioRequest:
+                req: BaseModel = checks.parse_form(scope, body)
+                # The form goes upstream as it came: its own content type (with the boundary).
+                ctype = next(v for k, v in scope["headers"] if k == b"content-type")
+                job.headers = {**job.headers, "content-type": ctype.decode("latin-1")}
+            else:
+                req = checks.parse(schema, body)
+            job.model = checks.resolve_model(record, req, path)
             checks.check_caps(req)
             parts = prompt_parts(req)  # once: the count, the prefix hashes and the guardrails share it
             job.info = await checks.measure(job.model, parts)

@@ -76,9 +76,7 @@ class Discovery:
         deployment = {r.id: r.deployment for r in ready}
         for view in self._router.replicas:
             key = keys.get(deployment.get(view.id, ""))
-            view.headers = {"content-type": "application/json"}
-            if key is not None:
-                view.headers["authorization"] = f"Bearer {key.get_secret_value()}"
+            view.headers = {} if key is None else {"authorization": f"Bearer {key.get_secret_value()}"}
         self._revision = rev
         counts: dict[str, int] = {}
         for r in records:

@@ -8,22 +8,49 @@ from typing import cast
 
 from pydantic import BaseModel, ValidationError
 
+from controlplane._multipart import boundary, form_fields
 from controlplane.gateway.asgi import Receive, Scope
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.errors import ApiError
 from controlplane.gateway.routing import Router
-from controlplane.gateway.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from controlplane.gateway.schemas import (
+    AudioRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    PassThroughRequest,
+    ResponsesRequest,
+)
 from controlplane.gateway.tokens import PromptInfo, TokenCounter
 from controlplane.state.base import ApiKeyRecord
 
-__all__ = ["ENDPOINTS", "PromptParts", "RequestChecks", "prompt_parts"]
+__all__ = ["ENDPOINTS", "PASS_THROUGH", "PromptParts", "RequestChecks", "prompt_parts"]
+
+PASS_THROUGH: dict[str, type[PassThroughRequest]] = {
+    "/v1/responses": ResponsesRequest,
+    "/v1/rerank": PassThroughRequest,
+    "/v1/score": PassThroughRequest,
+    "/rerank": PassThroughRequest,
+    "/score": PassThroughRequest,
+    "/tokenize": PassThroughRequest,
+    "/detokenize": PassThroughRequest,
+    "/v1/audio/transcriptions": AudioRequest,
+    "/v1/audio/translations": AudioRequest,
+}
+"""The other routes a vLLM replica serves: routed by ``model`` and forwarded untouched, with the same key,
+model and limit checks as the others. Audio bodies are ``multipart/form-data``, the rest JSON."""
 
 ENDPOINTS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/embeddings": EmbeddingRequest,
+    **PASS_THROUGH,
 }
 """The proxied routes and the schema each body is validated against."""
+
+_FORM_FIELDS = frozenset({"model", "stream"})
+# Strings of a pass-through body counted towards its prompt, at most this many (a lower bound suffices).
+_MAX_STRINGS = 4096
 
 PromptParts = tuple[list[str], list[list[int]], int]
 """(texts, token-id prompts, number of chat messages) of a validated request."""
@@ -46,6 +73,10 @@ def prompt_parts(req: BaseModel) -> PromptParts:
             else:
                 texts.append("".join(p.text or "" for p in m.content or ()))
         return texts, ids, len(req.messages)
+    if isinstance(req, PassThroughRequest):
+        # Whatever text the body holds (query, documents, input items …): a lower bound of its tokens.
+        _strings(req.model_extra or {}, texts)
+        return texts, ids, 0
     if isinstance(req, CompletionRequest | EmbeddingRequest):
         prompt = req.prompt if isinstance(req, CompletionRequest) else req.input
         if isinstance(prompt, str):
@@ -58,6 +89,18 @@ def prompt_parts(req: BaseModel) -> PromptParts:
             else:
                 ids.append(item)
     return texts, ids, 0
+
+
+def _strings(value: object, out: list[str]) -> None:
+    stack = [value]
+    while stack and len(out) < _MAX_STRINGS:
+        item = stack.pop()
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def _cap(param: str, value: int | None, limit: int) -> None:
@@ -165,13 +208,37 @@ class RequestChecks:
                 reason="invalid_field",
             ) from None
 
-    def resolve_model(self, record: ApiKeyRecord, req: BaseModel) -> str:
+    def parse_form(self, scope: Scope, body: bytes) -> AudioRequest:
+        """The ``model`` (and ``stream``) fields of a ``multipart/form-data`` body, nothing else of it."""
+        ctype = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
+        sep = boundary(ctype)
+        if sep is None:
+            raise ApiError(
+                415,
+                f"{scope['path']} takes a multipart/form-data body (the audio file and its fields)",
+                code="unsupported_media_type",
+                reason="media_type",
+            )
+        fields = form_fields(body, sep, _FORM_FIELDS)
+        model = fields.get("model", "").strip()
+        if not model or len(model) > 256:
+            raise ApiError(
+                400,
+                "invalid 'model': the form field 'model' is required (1-256 characters)",
+                param="model",
+                code="invalid_value",
+                reason="invalid_field",
+            )
+        return AudioRequest(model=model, stream=fields.get("stream", "").lower() == "true")
+
+    def resolve_model(self, record: ApiKeyRecord, req: BaseModel, path: str | None = None) -> str:
         """The requested model, when a replica serves it and the key may use it."""
         model = str(getattr(req, "model", ""))
         if not self._router.serves(model):
+            where = f" to answer {path}" if path in PASS_THROUGH else ""
             raise ApiError(
                 404,
-                f"the model '{model}' does not exist or has no ready replica",
+                f"the model '{model}' does not exist or has no ready replica{where}",
                 param="model",
                 code="model_not_found",
                 reason="unknown_model",
@@ -204,6 +271,8 @@ class RequestChecks:
             _cap("messages", len(req.messages), lim.max_prompt_items)
         elif isinstance(req, EmbeddingRequest) and isinstance(req.input, list):
             _cap("input", len(req.input), lim.max_prompt_items)
+        elif isinstance(req, ResponsesRequest):
+            _cap("max_output_tokens", req.max_output_tokens, lim.max_tokens_cap)
 
     async def measure(self, model: str, parts: PromptParts) -> PromptInfo:
         """The prompt's tokens (exact with the model's tokenizer) and prefix blocks."""
@@ -222,6 +291,14 @@ class RequestChecks:
 
     def check_lengths(self, record: ApiKeyRecord, req: BaseModel, model: str, info: PromptInfo) -> int:
         """Refuse prompts over the context or the key's cap; return the tokens to reserve."""
+        if isinstance(req, PassThroughRequest):
+            # A lower bound of the text, not one prompt (rerank's documents are scored one by one): no
+            # context check here, the engine makes its own. Generating routes reserve their output too.
+            if isinstance(req, ResponsesRequest):
+                return info.tokens + (req.max_output_tokens or self._limits.default_max_tokens)
+            if isinstance(req, AudioRequest):
+                return info.tokens + self._limits.default_max_tokens
+            return info.tokens
         context = self.max_context(model)
         bound = "" if info.exact else "at least "
         param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"

@@ -39,8 +39,8 @@ class ReplicaView:
     ejections: int = 0
     ejected_until: float = 0.0
     lru: OrderedDict[int, None] = field(default_factory=OrderedDict)
-    headers: dict[str, str] = field(default_factory=lambda: {"content-type": "application/json"})
-    """Sent with every forwarded request: the content type and, where set, the engine key."""
+    headers: dict[str, str] = field(default_factory=dict)
+    """Sent with every call to the replica, where set: its deployment's engine key."""
 
     def fresh(self, now: float, stale_s: float) -> bool:
         return now - self.scraped_at <= stale_s

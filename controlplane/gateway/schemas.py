@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 __all__ = [
+    "AudioRequest",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -17,7 +18,9 @@ __all__ = [
     "FunctionDefinition",
     "ModelCard",
     "ModelList",
+    "PassThroughRequest",
     "ResponseFormat",
+    "ResponsesRequest",
     "StreamOptions",
     "Tool",
     "openapi_document",
@@ -169,6 +172,26 @@ class EmbeddingRequest(_Strict):
     user: str | None = Field(default=None, max_length=256)
 
 
+class PassThroughRequest(_Strict):
+    """A body routed by its ``model`` and forwarded untouched: ``/v1/rerank``, ``/v1/score``, ``/rerank``,
+    ``/score``, ``/tokenize``, ``/detokenize``. The engine validates the rest."""
+
+    model: str = Field(min_length=1, max_length=256)
+    stream: bool | None = None
+
+
+class ResponsesRequest(PassThroughRequest):
+    """``POST /v1/responses``: as :class:`PassThroughRequest`, and it generates up to
+    ``max_output_tokens``."""
+
+    max_output_tokens: int | None = Field(default=None, ge=1)
+
+
+class AudioRequest(PassThroughRequest):
+    """``POST /v1/audio/transcriptions`` and ``/v1/audio/translations``: the two form fields of the
+    ``multipart/form-data`` body the gateway reads; the audio file goes upstream unread."""
+
+
 class ModelCard(BaseModel):
     id: str
     object: str = "model"
@@ -203,6 +226,8 @@ def openapi_document() -> dict[str, Any]:
         CompletionRequest,
         ChatCompletionRequest,
         EmbeddingRequest,
+        PassThroughRequest,
+        ResponsesRequest,
         ModelList,
         ErrorResponse,
     ]
@@ -230,15 +255,22 @@ def openapi_document() -> dict[str, Any]:
         )
     }
 
-    def post(schema: str, summary: str) -> dict[str, Any]:
+    def post(schema: str, summary: str, media: str = "application/json") -> dict[str, Any]:
+        body: dict[str, Any] = ref(schema)
+        if media != "application/json":  # the audio form: the two fields the gateway reads
+            body = {
+                "type": "object",
+                "required": ["model", "file"],
+                "properties": {
+                    "model": {"type": "string", "minLength": 1, "maxLength": 256},
+                    "file": {"type": "string", "format": "binary"},
+                },
+            }
         return {
             "post": {
                 "summary": summary,
                 "security": [{"bearer": []}],
-                "requestBody": {
-                    "required": True,
-                    "content": {"application/json": {"schema": ref(schema)}},
-                },
+                "requestBody": {"required": True, "content": {media: {"schema": body}}},
                 "responses": {
                     "200": {
                         "description": "the replica's answer (JSON, or SSE when stream is true)",
@@ -269,6 +301,17 @@ def openapi_document() -> dict[str, Any]:
             "/v1/completions": post("CompletionRequest", "Text completion"),
             "/v1/chat/completions": post("ChatCompletionRequest", "Chat completion"),
             "/v1/embeddings": post("EmbeddingRequest", "Embeddings"),
+            "/v1/responses": post("ResponsesRequest", "Responses API (passed through)"),
+            **{
+                path: post("PassThroughRequest", f"{path} (passed through)")
+                for path in ("/v1/rerank", "/v1/score", "/rerank", "/score", "/tokenize", "/detokenize")
+            },
+            "/v1/audio/transcriptions": post(
+                "AudioRequest", "Transcription (passed through)", "multipart/form-data"
+            ),
+            "/v1/audio/translations": post(
+                "AudioRequest", "Translation (passed through)", "multipart/form-data"
+            ),
             "/health": {"get": {"summary": "alive", "responses": {"200": {"description": "alive"}}}},
             "/ready": {
                 "get": {

@@ -35,8 +35,9 @@ logger = logging.getLogger(__name__)
 MODERATION_KEY = "gateway:moderation"
 """The ``key`` label of the moderation guardrail's own calls in the token counters."""
 
-_PROMPT_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_COMPLETION_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# Chat and completions say prompt/completion tokens; the Responses API says input/output tokens.
+_PROMPT_RE = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
+_COMPLETION_RE = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 # Connection failures before the first byte: safe to retry elsewhere, nothing reached the client.
 _RETRYABLE = (aiohttp.ClientConnectionError,)
 _RETRY_STATUS = frozenset({502, 503})
@@ -237,7 +238,7 @@ class Upstream:
                 self._urls.clear()
             url = self._urls[(replica.endpoint, job.path)] = URL(replica.endpoint + job.path)
         async with session.post(
-            # The request's id and trace headers, then the replica's content type and engine key.
+            # The request's content type, id and trace headers, then the replica's engine key.
             url,
             data=job.body,
             headers=job.headers | replica.headers,
@@ -265,7 +266,7 @@ class Upstream:
             if not job.stream or status != 200 or not ctype.startswith(b"text/event-stream"):
                 data = await resp.read()
                 if status >= 400:
-                    data = openai_error(status, data)
+                    data = openai_error(status, data, path=job.path)
                     headers[0] = (b"content-type", b"application/json")
                 if self.output_filter is not None and status == 200 and job.filter_output:
                     data = SseRewriter(self.output_filter).rewrite_body(data)
@@ -375,10 +376,13 @@ def trace_headers(scope: Scope) -> tuple[str, dict[str, str]]:
     return request_id, headers
 
 
-def openai_error(status: int, data: bytes) -> bytes:
+def openai_error(status: int, data: bytes, path: str | None = None) -> bytes:
     """A replica's error answer in OpenAI's shape, its message and param kept. vLLM's ``type`` is an
-    exception name and its ``code`` the HTTP status; some versions put the fields at the top level."""
+    exception name and its ``code`` the HTTP status; some versions put the fields at the top level.
+    A 404 without a message (the engine has no such route: ``{"detail": "Not Found"}``) names ``path``."""
     message = f"the replica refused the request (HTTP {status})"
+    if status == 404 and path:
+        message = f"the model's replicas do not serve {path}"
     param: str | None = None
     code: str | None = None
     try:

@@ -24,12 +24,30 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from pydantic_core import to_json
 
+from controlplane._multipart import boundary, form_fields
 from controlplane.errors import describe_validation_error
 from controlplane.simulator.config import LatencyMode, SimConfig, SimTask
 from controlplane.simulator.engine import BatchEngine, ClientGone, Slot
 from controlplane.simulator.metrics import SimMetrics
-from controlplane.simulator.protocol import ChatRequest, CompletionRequest, EmbeddingRequest
-from controlplane.simulator.tokens import generate_pieces, render_chat, text_seed, tokenize
+from controlplane.simulator.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ResponsesRequest,
+    ScoreRequest,
+    TokenizeRequest,
+)
+from controlplane.simulator.tokens import (
+    count_tokens,
+    generate_pieces,
+    piece_of,
+    render_chat,
+    text_seed,
+    token_ids,
+    tokenize,
+)
 
 __all__ = ["SimApp", "create_app"]
 
@@ -152,6 +170,15 @@ class SimApp:
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/chat/completions"): self._chat,
             ("POST", "/v1/embeddings"): self._embeddings,
+            ("POST", "/v1/responses"): self._responses,
+            ("POST", "/v1/rerank"): self._rerank,
+            ("POST", "/rerank"): self._rerank,
+            ("POST", "/v1/score"): self._score,
+            ("POST", "/score"): self._score,
+            ("POST", "/tokenize"): self._tokenize,
+            ("POST", "/detokenize"): self._detokenize,
+            ("POST", "/v1/audio/transcriptions"): self._audio,
+            ("POST", "/v1/audio/translations"): self._audio,
         }
         if runtime_lora_updating():
             # As vLLM: the routes exist only when runtime adapter updating is allowed.
@@ -286,6 +313,13 @@ class SimApp:
     # --- shared request steps
 
     async def _parse(self, receive: Receive, model: type[_M]) -> _M:
+        body = await self._read(receive)
+        try:
+            return model.model_validate_json(body)
+        except ValidationError as exc:
+            raise _bad_request(describe_validation_error(exc, what="request")) from None
+
+    async def _read(self, receive: Receive) -> bytes:
         self._check_ready()
         chunks: list[bytes] = []
         size = 0
@@ -300,10 +334,7 @@ class SimApp:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        try:
-            return model.model_validate_json(b"".join(chunks))
-        except ValidationError as exc:
-            raise _bad_request(describe_validation_error(exc, what="request")) from None
+        return b"".join(chunks)
 
     def _adapter_for(self, model: str) -> str | None:
         if model == self.config.served_model_name:
@@ -692,6 +723,182 @@ class SimApp:
             self._request_done()
         finally:
             gone.cancel()
+
+    # --- the other routes a vLLM replica serves: answered at once, without the batch engine
+
+    async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/responses``: one assistant message, streamed as Responses events when asked."""
+        try:
+            req = await self._parse(receive, ResponsesRequest)
+        except ClientGone:
+            return
+        self._adapter_for(req.model)
+        prompt = count_tokens(req.text)
+        count, _ = self._output_limit(prompt, req.max_output_tokens, 16)
+        pieces = generate_pieces(text_seed(self.config.seed, req.text), count)
+        rid = f"resp_{self._id_prefix}{next(self._ids)}"
+        usage = {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": len(pieces),
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + len(pieces),
+        }
+        message: dict[str, Any] = {
+            "id": f"msg_{rid[5:]}",
+            "type": "message",
+            "role": "assistant",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": "".join(pieces), "annotations": []}],
+        }
+        done = {
+            "id": rid,
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": req.model,
+            "status": "completed",
+            "output": [message],
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+            "usage": usage,
+        }
+        self.metrics.prompt_tokens += prompt
+        self.metrics.generation_tokens += len(pieces)
+        if not req.stream:
+            await _respond(send, 200, to_json(done), _with_request_id(scope, _JSON))
+            return
+        events: list[tuple[str, dict[str, Any]]] = [
+            ("response.created", {"response": {**done, "status": "in_progress", "output": [], "usage": None}})
+        ]
+        # OpenAI's sequence: the item and its part are announced before the deltas, closed after them.
+        part = message["content"][0]
+        where = {"item_id": message["id"], "output_index": 0, "content_index": 0}
+        opened = {**message, "status": "in_progress", "content": []}
+        events += [
+            ("response.output_item.added", {"output_index": 0, "item": opened}),
+            ("response.content_part.added", {**where, "part": {**part, "text": ""}}),
+            *(("response.output_text.delta", {**where, "delta": p, "logprobs": []}) for p in pieces),
+            ("response.output_text.done", {**where, "text": part["text"], "logprobs": []}),
+            ("response.content_part.done", {**where, "part": part}),
+            ("response.output_item.done", {"output_index": 0, "item": message}),
+            ("response.completed", {"response": done}),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": _with_request_id(scope, _SSE)})
+        for seq, (kind, data) in enumerate(events):
+            frame = b"event: " + kind.encode() + b"\ndata: "
+            frame += to_json({"type": kind, "sequence_number": seq, **data}) + b"\n\n"
+            await send({"type": "http.response.body", "body": frame, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    def _relevance(self, query: str, document: str) -> float:
+        return (text_seed(self.config.seed, query + "\x00" + document) % 10_000) / 10_000
+
+    async def _rerank(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/rerank`` (and ``/rerank``): documents by a deterministic relevance to the query."""
+        try:
+            req = await self._parse(receive, RerankRequest)
+        except ClientGone:
+            return
+        self._adapter_for(req.model)
+        scored = sorted(
+            ((self._relevance(req.query, d), i, d) for i, d in enumerate(req.documents)), reverse=True
+        )
+        top = scored[: req.top_n] if req.top_n else scored
+        tokens = sum(count_tokens(req.query) + count_tokens(d) for d in req.documents)
+        body = {
+            "id": f"rerank-{self._id_prefix}{next(self._ids)}",
+            "model": req.model,
+            "usage": {"total_tokens": tokens},
+            "results": [{"index": i, "document": {"text": d}, "relevance_score": s} for s, i, d in top],
+        }
+        self.metrics.prompt_tokens += tokens
+        await _respond(send, 200, to_json(body), _with_request_id(scope, _JSON))
+
+    async def _score(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/score`` (and ``/score``): text_1 against each text_2, or pairwise for two lists."""
+        try:
+            req = await self._parse(receive, ScoreRequest)
+        except ClientGone:
+            return
+        self._adapter_for(req.model)
+        left = [req.text_1] if isinstance(req.text_1, str) else req.text_1
+        right = [req.text_2] if isinstance(req.text_2, str) else req.text_2
+        if len(left) == 1:
+            left = left * len(right)
+        if len(left) != len(right) or not right:
+            raise _bad_request("text_1 and text_2 must have the same length, or text_1 one item", "text_1")
+        tokens = sum(count_tokens(a) + count_tokens(b) for a, b in zip(left, right, strict=True))
+        body = {
+            "id": f"score-{self._id_prefix}{next(self._ids)}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": req.model,
+            "data": [
+                {"index": i, "object": "score", "score": self._relevance(a, b)}
+                for i, (a, b) in enumerate(zip(left, right, strict=True))
+            ],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+        }
+        self.metrics.prompt_tokens += tokens
+        await _respond(send, 200, to_json(body), _with_request_id(scope, _JSON))
+
+    async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /tokenize``: the simulator's token ids of a prompt or of a chat's rendered prompt."""
+        try:
+            req = await self._parse(receive, TokenizeRequest)
+        except ClientGone:
+            return
+        self._adapter_for(req.model)
+        if req.messages is not None:
+            text = render_chat([(m.role, m.text) for m in req.messages])
+        elif req.prompt is not None:
+            text = req.prompt
+        else:
+            raise _bad_request("either 'prompt' or 'messages' is required", "prompt")
+        ids = token_ids(text)
+        body = {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids}
+        await _respond(send, 200, to_json(body), _with_request_id(scope, _JSON))
+
+    async def _detokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /detokenize``: each id as one of the simulator's output pieces."""
+        try:
+            req = await self._parse(receive, DetokenizeRequest)
+        except ClientGone:
+            return
+        self._adapter_for(req.model)
+        body = {"prompt": "".join(piece_of(t) for t in req.tokens)}
+        await _respond(send, 200, to_json(body), _with_request_id(scope, _JSON))
+
+    async def _audio(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/audio/transcriptions|translations``: a multipart form with ``file`` and ``model``;
+        the text depends on the file's bytes (json, text or verbose_json, as vLLM)."""
+        try:
+            body = await self._read(receive)
+        except ClientGone:
+            return
+        ctype = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
+        sep = boundary(ctype)
+        if sep is None:
+            raise _bad_request("the request must be multipart/form-data with a 'file' part")
+        fields = form_fields(body, sep, frozenset({"model", "response_format", "language"}))
+        model = fields.get("model", "")
+        if not model:
+            raise _bad_request("the form field 'model' is required", "model")
+        self._adapter_for(model)
+        if b'name="file"' not in body:
+            raise _bad_request("the form field 'file' is required", "file")
+        pieces = generate_pieces(text_seed(self.config.seed, str(len(body))), 12)
+        text = "".join(pieces).strip()
+        self.metrics.generation_tokens += len(pieces)
+        fmt = fields.get("response_format", "json")
+        if fmt == "text":
+            await _respond(send, 200, text.encode(), _with_request_id(scope, _TEXT))
+            return
+        answer: dict[str, Any] = {"text": text}
+        if fmt == "verbose_json":
+            answer |= {"language": fields.get("language", "en"), "duration": 1.0, "segments": []}
+        await _respond(send, 200, to_json(answer), _with_request_id(scope, _JSON))
 
 
 def _truncate(pieces: list[str], cut: int) -> list[str]:

@@ -10,8 +10,13 @@ __all__ = [
     "ChatMessage",
     "ChatRequest",
     "CompletionRequest",
+    "DetokenizeRequest",
     "EmbeddingRequest",
+    "RerankRequest",
+    "ResponsesRequest",
+    "ScoreRequest",
     "StreamOptions",
+    "TokenizeRequest",
 ]
 
 
@@ -136,3 +141,59 @@ class EmbeddingRequest(_Body):
         if all(isinstance(i, int) for i in x):
             return [[int(i) for i in x if isinstance(i, int)]]
         return [i if isinstance(i, str) else list(i) for i in x if isinstance(i, str | list)]
+
+
+class ResponsesRequest(_Body):
+    """``POST /v1/responses``: the fields the simulator answers from."""
+
+    model: str = Field(min_length=1)
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    stream: bool | None = False
+
+    @property
+    def text(self) -> str:
+        """The input as one prompt: instructions, then each item's text content."""
+        parts = [self.instructions] if self.instructions else []
+        if isinstance(self.input, str):
+            return "\n".join([*parts, self.input])
+        for item in self.input:
+            content = item.get("content")
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                parts += [str(c.get("text", "")) for c in content if isinstance(c, dict)]
+        return "\n".join(parts)
+
+
+class RerankRequest(_Body):
+    """``POST /v1/rerank`` and ``/rerank`` (vLLM's Jina/Cohere-style rerank)."""
+
+    model: str = Field(min_length=1)
+    query: str
+    documents: list[str] = Field(min_length=1)
+    top_n: int | None = Field(default=None, ge=1)
+
+
+class ScoreRequest(_Body):
+    """``POST /v1/score`` and ``/score``: one text against one or many, or pairs."""
+
+    model: str = Field(min_length=1)
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+
+class TokenizeRequest(_Body):
+    """``POST /tokenize``: a prompt or chat messages."""
+
+    model: str = Field(min_length=1)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize``."""
+
+    model: str = Field(min_length=1)
+    tokens: list[int]

@@ -13,7 +13,15 @@ import re
 import zlib
 from collections.abc import Sequence
 
-__all__ = ["count_tokens", "generate_pieces", "render_chat", "text_seed", "tokenize"]
+__all__ = [
+    "count_tokens",
+    "generate_pieces",
+    "piece_of",
+    "render_chat",
+    "text_seed",
+    "token_ids",
+    "tokenize",
+]
 
 _TOKEN_RE = re.compile(r"\s*\S{1,4}|\s+")
 
@@ -52,3 +60,13 @@ def text_seed(seed: int, text: str) -> int:
 def generate_pieces(seed: int, count: int) -> list[str]:
     """``count`` output tokens, the same for the same seed."""
     return random.Random(seed).choices(_PIECES, k=count)  # noqa: S311 - not for security
+
+
+def token_ids(text: str) -> list[int]:
+    """Stable ids of ``text``'s tokens (``/tokenize``): a checksum of each token, within a 32k vocabulary."""
+    return [zlib.crc32(t.encode("utf-8", "surrogatepass")) % 32000 for t in tokenize(text)]
+
+
+def piece_of(token_id: int) -> str:
+    """The output piece an id stands for (``/detokenize``)."""
+    return _PIECES[token_id % len(_PIECES)]
