@@ -147,7 +147,56 @@ def test_prometheus_config_for_the_example_fleet_passes_promtool(tmp_path: Path)
         "10.20.0.22:9400",
         "10.20.0.31:9400",
     ]
-    assert jobs["sarv-gateway"]["static_configs"][0]["targets"] == ["10.20.0.101:8080"]
+    # the gateway's metrics listener, not its API port; no token, no authorization block
+    assert jobs["sarv-gateway"]["static_configs"][0]["targets"] == ["10.20.0.101:9107"]
+    assert "authorization" not in jobs["sarv-gateway"]
+
+
+@pytest.mark.prometheus
+def test_prometheus_presents_the_gateway_metrics_token_from_a_file(tmp_path: Path) -> None:
+    token = "gw-metrics-" + "t" * 16
+    text = _render(
+        tmp_path,
+        "prometheus",
+        "prometheus.yml.j2",
+        {"prometheus_web_listen_address": "10.20.0.101:9090", "prometheus_sarv_gateway_metrics_token": token},
+    )
+    assert token not in text
+    jobs = {j["job_name"]: j for j in yaml.safe_load(text)["scrape_configs"]}
+    assert jobs["sarv-gateway"]["authorization"] == {
+        "type": "Bearer",
+        "credentials_file": "/etc/prometheus/sarv-gateway-metrics.token",
+    }
+    assert "authorization" not in jobs["node"]
+
+
+def test_controlplane_config_names_the_gateway_tls_files_and_metrics_listener(tmp_path: Path) -> None:
+    from controlplane.settings import Settings
+
+    text = _render(
+        tmp_path,
+        "sarv_controlplane",
+        "config.yaml.j2",
+        {
+            "sarv_controlplane_gateway_tls_cert_file": "files/gw.crt",
+            "sarv_controlplane_gateway_tls_key_file": "files/gw.key",
+            "sarv_controlplane_gateway_tls_client_ca_file": "files/ca.crt",
+            "sarv_controlplane_gateway_metrics_host": "10.20.0.101",
+            "sarv_controlplane_gateway_metrics_token": "m" * 20,
+        },
+    )
+    data = yaml.safe_load(text)
+    assert data["gateway_tls_cert"] == "/etc/sarv/tls/gateway.crt"
+    assert data["gateway_tls_key"] == "/etc/sarv/tls/gateway.key"
+    assert data["gateway_tls_client_ca"] == "/etc/sarv/tls/gateway-client-ca.crt"
+    assert (data["gateway_metrics_host"], data["gateway_metrics_port"]) == ("10.20.0.101", 9107)
+    assert data["gateway_metrics_token_file"] == "/etc/sarv/gateway-metrics.token"
+    assert "m" * 20 not in text
+    Settings.model_validate(data)  # what the role's validate: step runs
+    plain = yaml.safe_load(_render(tmp_path, "sarv_controlplane", "config.yaml.j2", {}))
+    assert "gateway_tls_cert" not in plain and "gateway_metrics_token_file" not in plain
+    unit = _render(tmp_path, "sarv_controlplane", "sarv-gateway.service.j2", {})
+    assert "ExecReload=/bin/kill -HUP $MAINPID" in unit.splitlines()
 
 
 def test_redis_config_hashes_user_passwords(tmp_path: Path) -> None:

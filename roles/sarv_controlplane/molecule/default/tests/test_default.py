@@ -80,6 +80,13 @@ def test_gateway_answers(host, addr):
     assert code == "401"
 
 
+def test_gateway_metrics_are_on_their_own_listener(host, addr):
+    assert host.socket(f"tcp://{addr}:9107").is_listening
+    assert "sarv_gateway_replicas" in host.check_output(f"curl -fsS http://{addr}:9107/metrics")
+    code = host.check_output(f"curl -s -o /dev/null -w '%{{http_code}}' http://{addr}:8088/metrics")
+    assert code == "404"
+
+
 def test_controller_metrics(host, addr):
     assert host.run(f"curl -fsS http://{addr}:9106/metrics").rc == 0
 
