@@ -171,12 +171,12 @@ class SimApp:
             ("POST", "/v1/chat/completions"): self._chat,
             ("POST", "/v1/embeddings"): self._embeddings,
             ("POST", "/v1/responses"): self._responses,
-            ("POST", "/v1/rerank"): self._rerank,
-            ("POST", "/rerank"): self._rerank,
-            ("POST", "/v1/score"): self._score,
-            ("POST", "/score"): self._score,
-            ("POST", "/tokenize"): self._tokenize,
-            ("POST", "/detokenize"): self._detokenize,
+            ("POST", "/v1/rerank"): self._json_route(RerankRequest, self._rerank),
+            ("POST", "/rerank"): self._json_route(RerankRequest, self._rerank),
+            ("POST", "/v1/score"): self._json_route(ScoreRequest, self._score),
+            ("POST", "/score"): self._json_route(ScoreRequest, self._score),
+            ("POST", "/tokenize"): self._json_route(TokenizeRequest, self._tokenize),
+            ("POST", "/detokenize"): self._json_route(DetokenizeRequest, self._detokenize),
             ("POST", "/v1/audio/transcriptions"): self._audio,
             ("POST", "/v1/audio/translations"): self._audio,
         }
@@ -794,62 +794,61 @@ class SimApp:
     def _relevance(self, query: str, document: str) -> float:
         return (text_seed(self.config.seed, query + "\x00" + document) % 10_000) / 10_000
 
-    async def _rerank(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """``POST /v1/rerank`` (and ``/rerank``): documents by a deterministic relevance to the query."""
-        try:
-            req = await self._parse(receive, RerankRequest)
-        except ClientGone:
-            return
-        self._adapter_for(req.model)
+    def _json_route(
+        self, schema: type[_M], answer: Callable[[_M], dict[str, Any]]
+    ) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+        """A route that parses ``schema``, checks its model and answers ``answer(request)`` as JSON."""
+
+        async def route(scope: Scope, receive: Receive, send: Send) -> None:
+            try:
+                req = await self._parse(receive, schema)
+            except ClientGone:
+                return
+            self._adapter_for(str(getattr(req, "model", "")))
+            await _respond(send, 200, to_json(answer(req)), _with_request_id(scope, _JSON))
+
+        return route
+
+    def _rerank(self, req: RerankRequest) -> dict[str, Any]:
+        """``/v1/rerank`` (and ``/rerank``): documents by a deterministic relevance to the query."""
         scored = sorted(
             ((self._relevance(req.query, d), i, d) for i, d in enumerate(req.documents)), reverse=True
         )
         top = scored[: req.top_n] if req.top_n else scored
         tokens = sum(count_tokens(req.query) + count_tokens(d) for d in req.documents)
-        body = {
+        self.metrics.prompt_tokens += tokens
+        return {
             "id": f"rerank-{self._id_prefix}{next(self._ids)}",
             "model": req.model,
             "usage": {"total_tokens": tokens},
             "results": [{"index": i, "document": {"text": d}, "relevance_score": s} for s, i, d in top],
         }
-        self.metrics.prompt_tokens += tokens
-        await _respond(send, 200, to_json(body), _with_request_id(scope, _JSON))
 
-    async def _score(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """``POST /v1/score`` (and ``/score``): text_1 against each text_2, or pairwise for two lists."""
-        try:
-            req = await self._parse(receive, ScoreRequest)
-        except ClientGone:
-            return
-        self._adapter_for(req.model)
+    def _score(self, req: ScoreRequest) -> dict[str, Any]:
+        """``/v1/score`` (and ``/score``): text_1 against each text_2, or pairwise for two lists."""
         left = [req.text_1] if isinstance(req.text_1, str) else req.text_1
         right = [req.text_2] if isinstance(req.text_2, str) else req.text_2
         if len(left) == 1:
             left = left * len(right)
         if len(left) != len(right) or not right:
             raise _bad_request("text_1 and text_2 must have the same length, or text_1 one item", "text_1")
-        tokens = sum(count_tokens(a) + count_tokens(b) for a, b in zip(left, right, strict=True))
-        body = {
+        pairs = list(zip(left, right, strict=True))
+        tokens = sum(count_tokens(a) + count_tokens(b) for a, b in pairs)
+        self.metrics.prompt_tokens += tokens
+        return {
             "id": f"score-{self._id_prefix}{next(self._ids)}",
             "object": "list",
             "created": int(time.time()),
             "model": req.model,
             "data": [
                 {"index": i, "object": "score", "score": self._relevance(a, b)}
-                for i, (a, b) in enumerate(zip(left, right, strict=True))
+                for i, (a, b) in enumerate(pairs)
             ],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
         }
-        self.metrics.prompt_tokens += tokens
-        await _respond(send, 200, to_json(body), _with_request_id(scope, _JSON))
 
-    async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """``POST /tokenize``: the simulator's token ids of a prompt or of a chat's rendered prompt."""
-        try:
-            req = await self._parse(receive, TokenizeRequest)
-        except ClientGone:
-            return
-        self._adapter_for(req.model)
+    def _tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        """``/tokenize``: the simulator's token ids of a prompt or of a chat's rendered prompt."""
         if req.messages is not None:
             text = render_chat([(m.role, m.text) for m in req.messages])
         elif req.prompt is not None:
@@ -857,18 +856,11 @@ class SimApp:
         else:
             raise _bad_request("either 'prompt' or 'messages' is required", "prompt")
         ids = token_ids(text)
-        body = {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids}
-        await _respond(send, 200, to_json(body), _with_request_id(scope, _JSON))
+        return {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids}
 
-    async def _detokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """``POST /detokenize``: each id as one of the simulator's output pieces."""
-        try:
-            req = await self._parse(receive, DetokenizeRequest)
-        except ClientGone:
-            return
-        self._adapter_for(req.model)
-        body = {"prompt": "".join(piece_of(t) for t in req.tokens)}
-        await _respond(send, 200, to_json(body), _with_request_id(scope, _JSON))
+    def _detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        """``/detokenize``: each id as one of the simulator's output pieces."""
+        return {"prompt": "".join(piece_of(t) for t in req.tokens)}
 
     async def _audio(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/audio/transcriptions|translations``: a multipart form with ``file`` and ``model``;

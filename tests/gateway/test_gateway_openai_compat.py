@@ -4,14 +4,14 @@ errors in OpenAI's shape, ``X-Request-Id`` and W3C trace context passed to the r
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, ClassVar
 
 import httpx
 import openai
 import pytest
+from fixtures.common import http_server
 from fixtures.gateway import add_key, add_replica, make_store
 
 _TOOL = {
@@ -156,16 +156,12 @@ class _Recorder(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def recorded(tmp_path, gateway_factory) -> Iterator[tuple[Any, str]]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    store = make_store(tmp_path)
-    add_replica(store, f"http://127.0.0.1:{server.server_address[1]}", "rec", rid="rec-0")
-    key = add_key(store, "trace")
-    _Recorder.seen.clear()
-    yield gateway_factory(store), key
-    server.shutdown()
-    server.server_close()
+    with http_server(_Recorder) as port:
+        store = make_store(tmp_path)
+        add_replica(store, f"http://127.0.0.1:{port}", "rec", rid="rec-0")
+        key = add_key(store, "trace")
+        _Recorder.seen.clear()
+        yield gateway_factory(store), key
 
 
 _PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import httpx
 import pytest
+from fixtures.common import http_server
 from fixtures.gateway import add_key, add_replica, make_store
 from pydantic import SecretStr
 
@@ -187,12 +187,8 @@ class _NoRoutes(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def bare_replica() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _NoRoutes)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with http_server(_NoRoutes) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 def test_a_replica_without_the_route_is_a_404_naming_the_path(

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fixtures.common import free_port, need_binary, wait_port
+from fixtures.common import free_port, need_binary, stop_process, wait_port
 
 RULES = Path(__file__).resolve().parents[2] / "dashboards" / "rules" / "sarv.rules.yml"
 
@@ -41,10 +41,5 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[int, Path]]:
         wait_port(port, timeout=30)
         yield port, targets
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        stop_process(proc)
         log.close()

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from fixtures.common import http_server
 
 from controlplane.errors import StateError
 from controlplane.observability import replica_target_groups, write_file_sd, write_replica_targets
@@ -109,13 +109,8 @@ class _Metrics(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def metrics_server() -> Iterator[int]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield int(server.server_address[1])
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
+    with http_server(_Metrics) as port:
+        yield port
 
 
 def _active_targets(port: int) -> list[dict[str, Any]]:

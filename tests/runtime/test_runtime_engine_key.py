@@ -2,33 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
-from fixtures.vllm import LlmctlEnv, kill_groups
+from fixtures.vllm import LlmctlEnv
 
 _CHAT = {"model": "sarv-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-@pytest.fixture
-def env(tmp_path: Path) -> Iterator[LlmctlEnv]:
-    e = LlmctlEnv.create(tmp_path / "home")
-    yield e
-    pids: list[int] = []
-    with contextlib.suppress(AssertionError, ValueError):
-        pids = e.replica_pids()
-        for d in e.status()["deployments"]:
-            e.llmctl("undeploy", d["name"], "--yes", timeout=60)
-    assert not kill_groups(pids)
-
-
-def test_a_deployment_gets_an_engine_key_its_replica_enforces(env: LlmctlEnv) -> None:
+def test_a_deployment_gets_an_engine_key_its_replica_enforces(llmctl_env: LlmctlEnv) -> None:
+    env = llmctl_env
     out = env.llmctl("deploy", "sarv-tiny", "--engine", "sim", "-o", "json", check=True)
     key = env.engine_key("sarv-tiny")
     assert key is not None and len(key) >= 32
