@@ -16,7 +16,7 @@ from controlplane.launchers.ssh import SshLauncher
 from controlplane.launchers.units import UnitSpec
 from controlplane.weights import WeightsPolicy
 
-__all__ = ["RayLauncher", "ray_active_nodes"]
+__all__ = ["RayLauncher", "ray_active_nodes", "ray_engine_argv"]
 
 _ACTIVE_NODE_RE = re.compile(r"^\s*\d+\s+node_[0-9a-f]+", re.MULTILINE)
 
@@ -25,6 +25,14 @@ def ray_active_nodes(status_text: str) -> int:
     """Nodes listed under ``Active:`` in ``ray status`` output (those that joined and are alive)."""
     section = status_text.partition("Active:")[2].partition("Pending:")[0]
     return len(_ACTIVE_NODE_RE.findall(section))
+
+
+def ray_engine_argv(argv: Sequence[str]) -> list[str]:
+    """The engine's argv as the Ray head runs it: pipeline stages on other nodes need Ray's executor."""
+    out = list(argv)
+    if "--pipeline-parallel-size" in out and "--distributed-executor-backend" not in out:
+        out += ["--distributed-executor-backend", "ray"]
+    return out
 
 
 class RayLauncher:
@@ -138,12 +146,9 @@ class RayLauncher:
                 started.append((stage, unit.name))
             self.wait_joined(address, len(self.stages))
 
-            argv = list(launch.argv)
-            if "--pipeline-parallel-size" in argv and "--distributed-executor-backend" not in argv:
-                argv += ["--distributed-executor-backend", "ray"]
             engine = self.head.engine_unit(
                 replica_id,
-                launch.model_copy(update={"argv": argv}),
+                launch.model_copy(update={"argv": ray_engine_argv(launch.argv)}),
                 extra_env={"RAY_ADDRESS": address, **self._nic_env(self.head)},
                 # The engine is a Ray driver: it needs the head's session files in the head's /tmp.
                 joins=head_unit.name,
