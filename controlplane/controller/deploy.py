@@ -448,6 +448,11 @@ class Deployer:
                 tool_chat_template=model.tool_chat_template if spec.tools else None,
             )
             launch = engine.build(ctx)
+            stage_gpus: dict[str, list[str]] = {}
+            for shard in rplan.shards:
+                stage_gpus.setdefault(shard.node, []).extend(self._gpu_ids(shard))
+            if any(stage_gpus.values()):
+                launch = launch.model_copy(update={"stage_gpus": stage_gpus})
             now = self.clock()
             rec = ReplicaRecord(
                 id=replica_id,

@@ -113,6 +113,9 @@ class EngineLaunch(BaseModel):
     """Health, readiness and metrics paths; the deployer copies them into the replica record."""
     container_name: str | None = None
     """For container engines: the name ``docker stop``/``docker logs`` address."""
+    stage_gpus: dict[str, list[str]] = Field(default_factory=dict)
+    """GPU ids (UUIDs, else indices) of the replica's stages by node, for a group launcher whose
+    cluster members must offer exactly those GPUs (Ray's ``--num-gpus``); empty without GPUs."""
 
 
 @runtime_checkable

@@ -136,12 +136,14 @@ class RayLauncher:
                 replica_id,
                 "ray-head",
                 ["--head", "--port", str(gcs_port), "--include-dashboard=false"],
+                launch.stage_gpus.get(self.head.node.name),
             )
             self.head.start_unit(head_unit)
             started.append((self.head, head_unit.name))
             self.wait_joined(address, 1)
             for stage in self.stages[1:]:
-                unit = self._ray_unit(stage, replica_id, "ray-worker", ["--address", address])
+                gpus = launch.stage_gpus.get(stage.node.name)
+                unit = self._ray_unit(stage, replica_id, "ray-worker", ["--address", address], gpus)
                 stage.start_unit(unit)
                 started.append((stage, unit.name))
             self.wait_joined(address, len(self.stages))
@@ -172,7 +174,14 @@ class RayLauncher:
             "ray_address": address,
         }
 
-    def _ray_unit(self, stage: SshLauncher, replica_id: str, role: str, args: list[str]) -> UnitSpec:
+    def _ray_unit(
+        self, stage: SshLauncher, replica_id: str, role: str, args: list[str], gpus: list[str] | None
+    ) -> UnitSpec:
+        """A cluster member; on a GPU plan it offers exactly its stage's GPUs (and sees only those)."""
+        env = self._nic_env(stage)
+        if gpus:
+            args = [*args, "--num-gpus", str(len(gpus))]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         argv = [
             self._ray(stage),
             "start",
@@ -184,7 +193,7 @@ class RayLauncher:
             str(self.object_store_bytes),
             *args,
         ]
-        launch = EngineLaunch(argv=argv, env=self._nic_env(stage), port=1)
+        launch = EngineLaunch(argv=argv, env=env, port=1)
         return stage.engine_unit(replica_id, launch, role=role)
 
     def wait_joined(self, address: str, count: int) -> None:

@@ -153,6 +153,7 @@ def test_the_engine_runs_the_plans_pp_variant_dtype_and_image(
     argv = launch.argv
     assert _flag(argv, "--pipeline-parallel-size") == "2" and _flag(argv, "--tensor-parallel-size") == "1"
     assert _flag(argv, "--gpus") == '"device=0,1"'
+    assert launch.stage_gpus == {"a100-1": ["0", "1"]}  # what a Ray group offers per node (--num-gpus)
     assert _flag(argv, "--quantization") == "fp8" and _flag(argv, "--dtype") == "bfloat16"
     assert f"vllm/vllm-openai:{load_compat().by_name('ampere').image.tag}" in argv
     assert [c for launcher in gpu_fleet for c in launcher.copied] == [fp8]  # the fp8 variant's weights
