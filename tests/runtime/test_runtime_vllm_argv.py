@@ -68,8 +68,10 @@ CASES = [
     Case("tp2", {"tp": 2}, {"tensor_parallel_size": 2}),
     Case("tp8", {"tp": 8}, {"tensor_parallel_size": 8}),
     Case("tp2-pp2-one-node", {"tp": 2, "pp": 2}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
-    Case("tp8-pp2-two-nodes", {"tp": 8, "pp": 2}, {"pipeline_parallel_size": 2}, nodes=2,
-         refused="spans nodes"),
+    Case("tp8-pp2-two-nodes", {"tp": 8, "pp": 2}, {"pipeline_parallel_size": 2, "distributed_executor_backend": "ray"},
+         nodes=2),
+    Case("tp4-pp4-two-nodes-fp8-lora", {"tp": 4, "pp": 4, "quantization": "fp8", "lora_adapters": LORA},
+         {"pipeline_parallel_size": 4, "distributed_executor_backend": "ray", "enable_lora": True}, nodes=2),
     Case("fp8", {"quantization": "fp8"}, {"quantization": "fp8"}),
     Case("awq-fp16", {"quantization": "awq", "dtype": "float16"}, {"quantization": "awq", "dtype": "float16"}),
     Case("gptq", {"quantization": "gptq"}, {"quantization": "gptq"}),
@@ -223,7 +225,9 @@ def test_vllm_parses_the_argv_sarv_builds(case: Case, parsed: dict[str, Any]) ->
     assert ns["api_key"] is None  # the key travels as VLLM_API_KEY, never as --api-key
     if case.engine is EngineKind.VLLM:
         assert ns["model"] == "/models/llama-3.1-8b"
-        assert (ns["host"], ns["port"]) == ("0.0.0.0", 8000)
+        # One node: inside the container behind --publish; several: on the node's address (host network).
+        want = ("0.0.0.0", 8000) if case.nodes == 1 else ("10.0.0.1", 8101)
+        assert (ns["host"], ns["port"]) == want
         assert ns["gpu_memory_utilization"] == spec.gpu_memory_utilization
     else:
         assert ns["model"] == "/var/lib/sarv/models/llama-3.1-8b"
