@@ -450,7 +450,7 @@ def gpu_nodes() -> Dashboard:
                 f" or (increase(DCGM_FI_DEV_ECC_DBE_VOL_TOTAL{{{gpu}}}[$__range]) > 0)) or vector(0)",
                 "none",
                 decimals=0,
-                description="GPUs whose XID code changed or that had a double-bit ECC error in the time range.",
+                description="GPUs whose XID code changed or with a double-bit ECC error in the time range.",
             ),
             timeseries(
                 "GPU utilisation",
@@ -720,7 +720,8 @@ def gateway() -> Dashboard:
             ),
             stat(
                 "Server errors",
-                f"sum({rate('sarv_gateway_requests_total', server_error)})"
+                # "or vector(0)": with no 5xx at all there is no 5xx series; show 0 %, not "No data".
+                f"(sum({rate('sarv_gateway_requests_total', server_error)}) or vector(0))"
                 f" / sum({rate('sarv_gateway_requests_total', m)})",
                 "percentunit",
                 description="Share of 5xx answers. Client mistakes are 4xx and never count here.",
