@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -38,8 +38,6 @@ from fixtures.common import REPO, free_port, need_binary, wait_port
 from fixtures.gateway import GatewayStarter, add_key
 from fixtures.pending_series import PENDING, PENDING_LABELS, VLLM_FORMER_NAMES
 from fixtures.vllm import VllmDeployment, kill_groups
-
-pytestmark = [pytest.mark.prometheus, pytest.mark.vllm, pytest.mark.slow]
 
 DASHBOARDS = REPO / "dashboards"
 RULES = DASHBOARDS / "rules" / "sarv.rules.yml"
@@ -322,6 +320,9 @@ def stack(vllm_tiny: VllmDeployment, tmp_path_factory: pytest.TempPathFactory) -
             dep.llmctl("undeploy", SIM, "--yes", timeout=120)
 
 
+@pytest.mark.prometheus
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_replica_down_reaches_alertmanager_and_resolves(stack: Stack) -> None:
     alert = stack.alert_seen
     assert alert["labels"]["severity"] == "critical"
@@ -331,6 +332,9 @@ def test_replica_down_reaches_alertmanager_and_resolves(stack: Stack) -> None:
     assert stack.alert_resolved
 
 
+@pytest.mark.prometheus
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_traffic_covered_what_the_panels_show(stack: Stack) -> None:
     codes = stack.responses
     assert set(codes["sim"]) == {200}, codes["sim"]  # the gateway retried around the killed replica
@@ -364,12 +368,18 @@ class _Report:
     checked: int = 0
 
 
-def _check_names_and_labels(stack: Stack, where: str, expr: str, report: _Report) -> bool:
-    """Every metric the query names exists, and every label it uses is on one of them. False if not."""
+def _check_names_and_labels(
+    series: Callable[[str], list[dict[str, str]]], where: str, expr: str, report: _Report
+) -> bool:
+    """Every metric the query names exists, and every label it uses is on one of them. False if not.
+
+    ``series`` is Prometheus' series API (``match[]`` → label sets). A missing name or label is a failure
+    in ``report``, or pending when fixtures/pending_series.py lists it.
+    """
     ok = True
     present: dict[str, set[str]] = {}
     for name in _names(expr):
-        found = stack.series(name if ":" not in name else f'{{__name__="{name}"}}')
+        found = series(name if ":" not in name else f'{{__name__="{name}"}}')
         if found:
             present[name] = {label for s in found for label in s}
         elif (
@@ -403,12 +413,15 @@ def _concrete(expr: str, variables: set[str]) -> str:
     return expr
 
 
+@pytest.mark.prometheus
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_every_panel_variable_and_recording_rule_returns_data(stack: Stack) -> None:
     report = _Report()
 
     def evaluate(where: str, expr: str) -> None:
         report.checked += 1
-        names_ok = _check_names_and_labels(stack, where, expr, report)
+        names_ok = _check_names_and_labels(stack.series, where, expr, report)
         if names_ok and not stack.query_range(expr):
             report.failures.append(f"{where}: no data from {expr}")
 
@@ -423,7 +436,7 @@ def test_every_panel_variable_and_recording_rule_returns_data(stack: Stack) -> N
             selector, label = _concrete(found.group(1), variables), found.group(2)
             report.checked += 1
             where = f"{board['uid']} variable ${var['name']}"
-            if not _check_names_and_labels(stack, where, selector, report):
+            if not _check_names_and_labels(stack.series, where, selector, report):
                 continue
             if not any(label in s for s in stack.series(selector)):
                 metric = _NAME_RE.search(selector)
@@ -440,7 +453,9 @@ def test_every_panel_variable_and_recording_rule_returns_data(stack: Stack) -> N
             evaluate(f"{board['uid']} {what}", _concrete(expr, variables))
     for group in yaml.safe_load(RULES.read_text())["groups"]:
         for rule in group["rules"]:
-            if "record" in rule and _check_names_and_labels(stack, rule["record"], rule["expr"], report):
+            if "record" in rule and _check_names_and_labels(
+                stack.series, rule["record"], rule["expr"], report
+            ):
                 report.checked += 1
                 if not stack.query_range(rule["record"]):
                     report.failures.append(f"recording rule {rule['record']}: no data")
@@ -451,3 +466,33 @@ def test_every_panel_variable_and_recording_rule_returns_data(stack: Stack) -> N
             "every other query returned data; these series are not exported on this branch yet: "
             + "; ".join(f"{name} ({who})" for name, who in sorted(report.pending.items()))
         )
+
+
+def test_a_name_or_label_no_target_exports_fails_and_pending_ones_are_named() -> None:
+    """The checker itself, against a fixed series API: what makes the live test fail, and what it xfails."""
+    exported = {
+        "sarv_gateway_requests_total": [
+            {"__name__": "sarv_gateway_requests_total", "model": "m", "status": "200"}
+        ],
+        "up": [{"__name__": "up", "replica": "r-0"}],
+    }
+
+    def series(match: str) -> list[dict[str, str]]:
+        return exported.get(match, [])
+
+    report = _Report()
+    assert _check_names_and_labels(
+        series, "ok", 'sum by (model) (sarv_gateway_requests_total{status="200"})', report
+    )
+    assert not _check_names_and_labels(series, "typo", "sum(sarv_gateway_request_total)", report)
+    assert not _check_names_and_labels(
+        series, "label", "sum by (tenant) (sarv_gateway_requests_total)", report
+    )
+    assert not _check_names_and_labels(series, "team", "sum by (team) (sarv_gateway_requests_total)", report)
+    assert not _check_names_and_labels(series, "pending", "sum(sarv_node_gpus)", report)
+    assert report.failures == [
+        "typo: sarv_gateway_request_total is exported by no target (sum(sarv_gateway_request_total))",
+        "label: label tenant is on none of ['sarv_gateway_requests_total'] "
+        "(sum by (tenant) (sarv_gateway_requests_total))",
+    ]
+    assert set(report.pending) == {"sarv_gateway_requests_total{team}", "sarv_node_gpus"}
