@@ -35,6 +35,10 @@ METRIC_RE = re.compile(r"\b(sarv_gateway_\w+|vllm:\w+)")
 
 
 def _build_module() -> ModuleType:
+    need(
+        importlib.util.find_spec("grafana_foundation_sdk") is not None,
+        "grafana-foundation-sdk is not installed (pip install -e '.[dev]')",
+    )
     spec = importlib.util.spec_from_file_location("sarv_dashboards_build", DASHBOARDS / "src" / "build.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -94,7 +98,10 @@ def test_every_view_is_rendered() -> None:
 @pytest.mark.parametrize("name", sorted(_committed()))
 def test_committed_json_is_a_valid_grafana_dashboard(name: str) -> None:
     """The committed JSON decodes into grafana-foundation-sdk's typed model of Grafana's schema."""
-    pytest.importorskip("grafana_foundation_sdk", reason="pip install -e '.[dev]'")
+    need(
+        importlib.util.find_spec("grafana_foundation_sdk") is not None,
+        "grafana-foundation-sdk is not installed (pip install -e '.[dev]')",
+    )
     from grafana_foundation_sdk.models.dashboard import Dashboard, Panel, RowPanel
 
     board = Dashboard.from_json(_committed()[name])
