@@ -130,7 +130,18 @@ def run_policy(
         port = free_port()
         procs.start(
             "gateway",
-            [PY, "-m", "controlplane.cli.main", "gateway", "--port", str(port), "--config", str(cfg)],
+            [
+                PY,
+                "-m",
+                "controlplane.cli.main",
+                "gateway",
+                "--port",
+                str(port),
+                "--metrics-port",
+                "0",
+                "--config",
+                str(cfg),
+            ],
             cpu=core(1),
             env=env,
         )
