@@ -6,6 +6,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
@@ -475,6 +476,7 @@ class Deployer:
                 endpoint=f"http://{launcher.host}:{chosen}",
                 state=ReplicaState.STARTING,
                 adapters=[a.name for a in spec.lora_adapters],
+                weights=f"{model.name}/{PurePath(model_dir).name}" if model_dir else None,
                 probes=launch.probes,
                 created_at=now,
                 updated_at=now,
