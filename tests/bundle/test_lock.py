@@ -31,7 +31,7 @@ def test_every_runtime_dependency_is_pinned_in_range_with_hashes(lock: Path) -> 
         pin = pins.get(normalize_name(req.name))
         assert pin is not None, f"{req.name} is in pyproject.toml but not in {lock.name}: run scripts/lock"
         assert req.specifier.contains(pin.version, prereleases=True), (
-            f"{lock.name} pins {req.name}=={pin.version}, outside pyproject's {req.specifier}: run scripts/lock"
+            f"{lock.name} pins {req.name}=={pin.version}, outside {req.specifier}: run scripts/lock"
         )
     # The transitive set is pinned too, every entry with at least one file hash.
     assert len(pins) > len(runtime_requirements())
