@@ -16,14 +16,14 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 import yaml
+from fixtures.bundles import Kit, llmctl
+from fixtures.testhosts import TestHost
 
 from controlplane.remote import FabricConnector
 from controlplane.settings import load_settings
 from controlplane.spec import Node
 from controlplane.weights import cache_digest, ensure_weights, read_manifest
 from controlplane.weights.distribute import Peer, distribute
-from fixtures.bundles import Kit, llmctl
-from fixtures.testhosts import TestHost
 
 pytestmark = [pytest.mark.docker, pytest.mark.ssh, pytest.mark.slow]
 
@@ -92,10 +92,9 @@ def test_load_publishes_every_part_and_nothing_outside_is_reached(site: Site, ki
     assert Path(gv["sarv_controlplane_wheelhouse"], "sarvtest_b-2.0-py3-none-any.whl").is_file()
 
     # apt, as the common role configures it from these variables (roles/common/templates/sources.list.j2).
-    release = "bookworm"
+    mirror, release = gv["common_apt_mirror"], "bookworm"
     node1.write_file(
-        "/etc/apt/sources.list",
-        f"deb {gv['common_apt_mirror']} {release} main\ndeb {gv['common_apt_mirror']} {release}-updates main\n",
+        "/etc/apt/sources.list", f"deb {mirror} {release} main\ndeb {mirror} {release}-updates main\n"
     )
     node1.exec("rm -f /etc/apt/sources.list.d/*")
     apt = node1.exec(
