@@ -1,0 +1,33 @@
+"""What a bundle carries is read from the roles and the GPU table, not from a second list."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from controlplane.bundle.load import _registry_ref
+from controlplane.bundle.sources import engine_images, role_packages
+from controlplane.fleet.loader import load_fleet
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_role_packages_come_from_the_roles() -> None:
+    names = role_packages()
+    for pkg in ("chrony", "jq", "docker.io", "apparmor", "prometheus", "prometheus-node-exporter"):
+        assert pkg in names
+    assert {"redis-server", "redis-tools", "xfsprogs", "mdadm", "python3-venv"} <= set(names)
+
+
+def test_engine_images_follow_the_fleets_gpu_generations() -> None:
+    fleet = load_fleet(ROOT / "inventory.example.ini")
+    assert engine_images(fleet, "vllm/vllm-openai", None) == ["vllm/vllm-openai:v0.32.0-cu129"]
+    assert engine_images(fleet, "registry.site/vllm/vllm-openai", "x@sha256:" + "0" * 64) == [
+        "x@sha256:" + "0" * 64
+    ]
+
+
+def test_images_are_renamed_below_the_site_registry() -> None:
+    assert _registry_ref("https://reg.site:5000", "nvcr.io/nvidia/k8s/dcgm-exporter:3") == (
+        "reg.site:5000/nvidia/k8s/dcgm-exporter:3"
+    )
+    assert _registry_ref("reg.site", "vllm/vllm-openai:v1") == "reg.site/vllm/vllm-openai:v1"
