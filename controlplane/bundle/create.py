@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import json
 import os
 import re
@@ -495,8 +496,6 @@ def _write_tar(req: BundleRequest, work: Path, manifest: Manifest, say: Progress
             info = tarfile.TarInfo(name)
             info.size = len(blob)
             info.mode = 0o644
-            import io
-
             tar.addfile(info, io.BytesIO(blob))
         for i, entry in enumerate(packed, 1):
             tar.add(work / entry.path, arcname=entry.path, recursive=False)

@@ -25,7 +25,9 @@ def mirrors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-def test_settings_read_the_roles_mirrors_below_environment(mirrors: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_settings_read_the_roles_mirrors_below_environment(
+    mirrors: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     s = load_settings()
     assert s.model_store_url == "http://10.0.0.5:8765/models"
     assert s.resolved_vllm_image_repository == "registry.site:5000/vllm/vllm-openai"
