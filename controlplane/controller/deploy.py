@@ -260,6 +260,7 @@ class Deployer:
                 image = self.settings.vllm_image or self.compat.image_for(
                     rows, self.settings.resolved_vllm_image_repository
                 )
+            self._check_layout(spec, rp, index, engine)
             source = method = None
             if engine is not None and engine.needs_weights:
                 if rp.quantization not in sources:
@@ -267,6 +268,20 @@ class Deployer:
                 source, method = sources[rp.quantization]
             out[index] = _Prepared(source=source, quantization_method=method, image=image)
         return out
+
+    def _check_layout(self, spec: DeploymentSpec, rp: ReplicaPlan, index: int, engine: Engine | None) -> None:
+        """A replica spanning nodes needs an engine and a launcher that join them (before any copy)."""
+        nodes = list(dict.fromkeys(s.node for s in sorted(rp.shards, key=lambda s: s.pp_rank)))
+        if len(nodes) <= 1:
+            return
+        if engine is not None and not engine.multi_node:
+            raise UserError(
+                f"replica {index} of {spec.name} needs pipeline stages on {len(nodes)} nodes "
+                f"({', '.join(nodes)}), and the {spec.engine.value} engine runs a replica on one node",
+                hint="plan onto nodes that hold a whole replica (llmctl plan --explain shows the "
+                "layouts), or use an engine that joins nodes over Ray (vllm-cpu, sim)",
+            )
+        self._replica_launcher(rp.shards)  # no Ray launcher, or a node outside the fleet: refused now
 
     def _rows(self, rp: ReplicaPlan, index: int) -> list[Generation]:
         """The table rows of the replica's GPUs; each must run the planned variant."""
@@ -436,6 +451,11 @@ class Deployer:
                 tool_chat_template=model.tool_chat_template if spec.tools else None,
             )
             launch = engine.build(ctx)
+            stage_gpus: dict[str, list[str]] = {}
+            for shard in rplan.shards:
+                stage_gpus.setdefault(shard.node, []).extend(self._gpu_ids(shard))
+            if any(stage_gpus.values()):
+                launch = launch.model_copy(update={"stage_gpus": stage_gpus})
             now = self.clock()
             rec = ReplicaRecord(
                 id=replica_id,
