@@ -399,11 +399,28 @@ def _scan(root: Path, part: str) -> list[FileEntry]:
     ]
 
 
-def _done_part(work: Path, part: str) -> tuple[list[FileEntry], dict[str, str]] | None:
-    """The recorded files of a finished part when every one is still there with its hash."""
+def _inputs(req: BundleRequest, part: str) -> str:
+    """What a part is gathered from: a part recorded from other inputs is gathered again."""
+    lock = req.lock or (lock_path(req.python) if part == "wheels" else None)
+    by_part: dict[str, object] = {
+        "wheels": [req.python, sha256_file(lock) if lock else "", [str(p) for p in req.find_links],
+                   req.index_url, str(req.sarv_wheel)],
+        "debs": [req.release, sorted(req.packages), req.gpg_key],
+        "images": [sorted(req.images), req.no_images],
+        "models": [sorted(req.models.items()), sorted(req.generated)],
+        "terraform": [str(req.terraform_mirror)],
+    }  # fmt: skip
+    return hashlib.sha256(json.dumps(by_part.get(part, [])).encode()).hexdigest()
+
+
+def _done_part(work: Path, part: str, inputs: str) -> tuple[list[FileEntry], dict[str, str]] | None:
+    """The recorded files of a finished part when its inputs are the same and every file is still there
+    with its hash."""
     stamp = work / ".done" / f"{part}.json"
     try:
         data = json.loads(stamp.read_text())
+        if data.get("inputs") != inputs:
+            return None
         files = [FileEntry.model_validate(f) for f in data["files"]]
         info = {str(k): str(v) for k, v in data["info"].items()}
     except (OSError, ValueError, KeyError, TypeError):
@@ -437,7 +454,8 @@ def create_bundle(req: BundleRequest, say: Progress) -> Manifest:
         if part == "debs" and not req.packages:
             parts[part] = {"left_out": "no packages requested"}
             continue
-        done = _done_part(work, part)
+        inputs = _inputs(req, part)
+        done = _done_part(work, part, inputs)
         if done is not None:
             say(f"{part}: already gathered and verified, skipped")
             part_files, info = done
@@ -446,7 +464,7 @@ def create_bundle(req: BundleRequest, say: Progress) -> Manifest:
             (work / part).mkdir(parents=True)
             info = _GATHER[part](req, work / part, say)
             part_files = _scan(work, part)
-            stamp = {"files": [f.model_dump() for f in part_files], "info": info}
+            stamp = {"inputs": inputs, "files": [f.model_dump() for f in part_files], "info": info}
             (work / ".done" / f"{part}.json").write_text(json.dumps(stamp))
         files += part_files
         parts[part] = info

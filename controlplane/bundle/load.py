@@ -116,11 +116,25 @@ def mirror_vars(manifest: Manifest, url: str, wheelhouse: Path, registry: str | 
     return out
 
 
+_WORK_MARK = ".sarv-bundle-work"
+
+
+def _fresh_work(work: Path) -> None:
+    """Empty ``work`` for unpacking; a directory that holds anything but an earlier unpack is refused."""
+    if work.exists():
+        if not (work / _WORK_MARK).is_file() and any(work.iterdir()):
+            raise ConfigError(
+                f"--work {work} is not empty and was not written by `llmctl bundle load`",
+                hint="give an empty or new directory",
+            )
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    (work / _WORK_MARK).write_text("unpacked by llmctl bundle load; emptied by the next load\n")
+
+
 def load_bundle(req: LoadRequest, connect: Callable[[Node], Connection], say: Progress) -> LoadResult:
     hosts = _hosts(req.inventory)
-    if req.work.exists():
-        shutil.rmtree(req.work)
-    req.work.mkdir(parents=True)
+    _fresh_work(req.work)
     say(f"verify: {req.bundle}")
     manifest = verify_bundle(
         req.bundle, req.allowed_signers, base=req.base, extract_to=req.work, progress=say

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from controlplane.bundle.load import _registry_ref
 from controlplane.bundle.sources import engine_images, role_packages
 from controlplane.fleet.loader import load_fleet
@@ -31,3 +33,29 @@ def test_images_are_renamed_below_the_site_registry() -> None:
         "reg.site:5000/nvidia/k8s/dcgm-exporter:3"
     )
     assert _registry_ref("reg.site", "vllm/vllm-openai:v1") == "reg.site/vllm/vllm-openai:v1"
+
+
+def test_a_part_recorded_from_other_inputs_is_gathered_again(tmp_path: Path) -> None:
+    from controlplane.bundle.create import BundleRequest, _inputs
+
+    a = BundleRequest(output=tmp_path / "b", sign_key=tmp_path / "k", images=["x:1"])
+    b = BundleRequest(output=tmp_path / "b", sign_key=tmp_path / "k", images=["x:1"], no_images=True)
+    assert _inputs(a, "images") != _inputs(b, "images")
+    assert _inputs(a, "debs") == _inputs(b, "debs")
+
+
+def test_load_never_empties_a_directory_it_did_not_write(tmp_path: Path) -> None:
+    from controlplane.bundle.load import _fresh_work
+    from controlplane.errors import ConfigError
+
+    precious = tmp_path / "data"
+    precious.mkdir()
+    (precious / "keep.txt").write_text("x")
+    with pytest.raises(ConfigError, match="is not empty and was not written by `llmctl bundle load`"):
+        _fresh_work(precious)
+    assert (precious / "keep.txt").is_file()
+    work = tmp_path / "work"
+    _fresh_work(work)
+    (work / "old").write_text("from an earlier load")
+    _fresh_work(work)
+    assert not (work / "old").exists()
