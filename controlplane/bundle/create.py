@@ -227,11 +227,6 @@ def _release_file(dists: Path, suite: str, arch: str) -> str:
 
 
 def _debs(req: BundleRequest, dest: Path, say: Progress) -> dict[str, str]:
-    if not req.gpg_key:
-        raise ConfigError(
-            "the package repository needs a signing key",
-            hint="give --gpg-key KEYID (a key in $GNUPGHOME; gpg --quick-gen-key makes one)",
-        )
     debs = _deb_plan(req.packages)
     names = [d.name for d in debs]
     pool = dest / "pool"
@@ -444,6 +439,16 @@ def _estimate(req: BundleRequest) -> dict[str, str]:
 
 def create_bundle(req: BundleRequest, say: Progress) -> Manifest:
     """Gather, hash, sign and write the bundle; parts finished by an earlier run are reused."""
+    if req.packages and not req.gpg_key:
+        raise ConfigError(
+            "the package repository needs a signing key",
+            hint="give --gpg-key KEYID (a key in $GNUPGHOME; gpg --quick-gen-key makes one)",
+        )
+    if not req.sign_key.is_file():
+        raise ConfigError(
+            f"signing key {req.sign_key} does not exist",
+            hint="give --sign-key a private SSH key (ssh-keygen -t ed25519 -f KEY makes one)",
+        )
     work = req.output.with_name(req.output.name + ".work")
     (work / ".done").mkdir(parents=True, exist_ok=True)
     for part, estimate in _estimate(req).items():
