@@ -227,6 +227,7 @@ def _release_file(dists: Path, suite: str, arch: str) -> str:
 
 
 def _debs(req: BundleRequest, dest: Path, say: Progress) -> dict[str, str]:
+    key = req.gpg_key or ""  # create_bundle refuses packages without a key before anything runs
     debs = _deb_plan(req.packages)
     names = [d.name for d in debs]
     pool = dest / "pool"
@@ -271,7 +272,7 @@ def _debs(req: BundleRequest, dest: Path, say: Progress) -> dict[str, str]:
                     "--yes",
                     "--armor",
                     "--local-user",
-                    req.gpg_key,
+                    key,
                     mode,
                     "-o",
                     str(dists / out),
@@ -280,10 +281,10 @@ def _debs(req: BundleRequest, dest: Path, say: Progress) -> dict[str, str]:
                 "sign the repository index (gpg)",
             )
     _run(
-        ["gpg", "--batch", "--yes", "--armor", "-o", str(dest / "sarv-bundle.asc"), "--export", req.gpg_key],
+        ["gpg", "--batch", "--yes", "--armor", "-o", str(dest / "sarv-bundle.asc"), "--export", key],
         "export the repository key",
     )
-    fpr = _run(["gpg", "--batch", "--with-colons", "--fingerprint", req.gpg_key], "read the key fingerprint")
+    fpr = _run(["gpg", "--batch", "--with-colons", "--fingerprint", key], "read the key fingerprint")
     fingerprint = next((line.split(":")[9] for line in fpr.splitlines() if line.startswith("fpr")), "")
     return {"release": req.release, "arch": arch, "packages": ",".join(names), "key_fingerprint": fingerprint}
 

@@ -13,7 +13,7 @@ from controlplane.catalog.compat import load_compat
 from controlplane.errors import ConfigError
 from controlplane.spec import Fleet
 
-__all__ = ["ROLE_PACKAGE_SOURCES", "engine_images", "model_weights", "role_packages"]
+__all__ = ["ROLE_PACKAGE_SOURCES", "engine_images", "model_weights", "role_images", "role_packages"]
 
 _ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,6 +48,36 @@ def role_packages(root: Path = _ROOT) -> list[str]:
         path = root / rel
         names.update(_lookup(yaml.safe_load(path.read_text()), keys, rel))
     return sorted(names)
+
+
+_DCGM_KEYS = (
+    "dcgm_exporter_image_registry",
+    "dcgm_exporter_image_repository",
+    "dcgm_exporter_image_tag",
+    "dcgm_exporter_image_digest",
+)
+
+
+def role_images(inventory: Path, root: Path = _ROOT) -> tuple[list[str], list[str]]:
+    """Images the roles run on the inventory's GPU nodes (dcgm-exporter, pinned by digest), and a note for
+    each one that cannot be named because the inventory does not pin it."""
+    from controlplane.fleet.inventory import GPU_NODES_GROUP, read_inventory_vars
+
+    defaults = yaml.safe_load((root / "roles/dcgm_exporter/defaults/main.yml").read_text())
+    refs: set[str] = set()
+    notes: set[str] = set()
+    for name, groups, raw in read_inventory_vars(inventory, _DCGM_KEYS):
+        if GPU_NODES_GROUP not in groups:
+            continue
+        v = {k: str(raw.get(k, defaults.get(k, "")) or "") for k in _DCGM_KEYS}
+        if not v["dcgm_exporter_image_digest"]:
+            notes.add(f"dcgm-exporter: dcgm_exporter_image_digest is not set for {name}; pass --image REF")
+            continue
+        refs.add(
+            f"{v['dcgm_exporter_image_registry']}/{v['dcgm_exporter_image_repository']}:"
+            f"{v['dcgm_exporter_image_tag']}@{v['dcgm_exporter_image_digest']}"
+        )
+    return sorted(refs), sorted(notes)
 
 
 def engine_images(fleet: Fleet, repository: str, override: str | None) -> list[str]:

@@ -113,7 +113,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Gather the wheels, packages, images, weights, dashboards and providers INVENTORY needs."""
         from controlplane.bundle.create import BundleRequest, create_bundle
-        from controlplane.bundle.sources import engine_images, model_weights, role_packages
+        from controlplane.bundle.sources import engine_images, model_weights, role_images, role_packages
         from controlplane.catalog import Catalog
         from controlplane.fleet.loader import load_fleet
 
@@ -121,11 +121,12 @@ def register(app: typer.Typer) -> None:
         fleet = load_fleet(inventory)
         names = _split(packages)
         pkgs = [] if names == ["none"] else names or role_packages()
-        refs = (
-            []
-            if no_images
-            else engine_images(fleet, settings.resolved_vllm_image_repository, settings.vllm_image)
-        )
+        refs: list[str] = []
+        if not no_images:
+            refs, notes = role_images(inventory)
+            refs += engine_images(fleet, settings.resolved_vllm_image_repository, settings.vllm_image)
+            for note in notes:
+                ui.warn(note)
         sources, generated = model_weights(_split(models), Catalog.load(settings.catalog))
         req = BundleRequest(
             output=output,

@@ -59,3 +59,17 @@ def test_load_never_empties_a_directory_it_did_not_write(tmp_path: Path) -> None
     (work / "old").write_text("from an earlier load")
     _fresh_work(work)
     assert not (work / "old").exists()
+
+
+def test_the_dcgm_exporter_image_is_carried_when_the_inventory_pins_it(tmp_path: Path) -> None:
+    from controlplane.bundle.sources import role_images
+
+    inv = tmp_path / "hosts.ini"
+    inv.write_text("[gpu_nodes]\ng1\n[svc]\ns1\n")
+    assert role_images(inv) == (
+        [],
+        ["dcgm-exporter: dcgm_exporter_image_digest is not set for g1; pass --image REF"],
+    )
+    digest = "sha256:" + "a" * 64
+    inv.write_text(f"[gpu_nodes]\ng1\n[gpu_nodes:vars]\ndcgm_exporter_image_digest={digest}\n")
+    assert role_images(inv) == ([f"nvcr.io/nvidia/k8s/dcgm-exporter:3.3.9-3.6.1-ubuntu22.04@{digest}"], [])
