@@ -177,8 +177,12 @@ def distribute(
     *,
     progress: Progress | None = None,
     parallel: int = 8,
+    tree: bool = True,
 ) -> list[PeerCopy]:
-    """Give every peer a verified copy of ``local`` (a verified weights directory) at ``dest``."""
+    """Give every peer a verified copy of ``local`` (a verified weights directory) at ``dest``.
+
+    ``tree=False`` is the single-source baseline: every node copies from the first holder.
+    """
     entries = read_manifest(local)
     verify_dir(local, entries)
     files = {name: (local / name).stat().st_size for name in entries} | {
@@ -214,6 +218,7 @@ def distribute(
             results=results,
             say=say,
             parallel=parallel,
+            tree=tree,
         )
     return [results[p.name] for p in peers]
 
@@ -227,6 +232,7 @@ def _spread(
     results: dict[str, PeerCopy],
     say: Progress,
     parallel: int,
+    tree: bool,
 ) -> None:
     tag = f"sarv-weights-{uuid.uuid4().hex[:12]}"
     everyone = holders + pending
@@ -249,7 +255,9 @@ def _spread(
                 peer.conn.put(str(keyfile), remote_key)
                 _run(peer, f"chmod 600 {remote_key}")
             while pending:
-                pairs = list(zip(holders, pending, strict=False))
+                # A tree pairs each holder with one target per round; the baseline sends all from one.
+                sources = holders if tree else holders[:1] * len(pending)
+                pairs = list(zip(sources, pending, strict=False))
                 pending = pending[len(pairs) :]
 
                 def copy(pair: tuple[Peer, Peer]) -> Peer:
@@ -262,7 +270,9 @@ def _spread(
                     return target
 
                 with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(pairs)))) as pool:
-                    holders += list(pool.map(copy, pairs))
+                    done = list(pool.map(copy, pairs))
+                if tree:
+                    holders += done
         finally:
             for peer in everyone:
                 _run(
