@@ -214,10 +214,13 @@ class Deployer:
             return None
 
     def _model_source(self, spec: DeploymentSpec, model: ModelSpec, variant: Quantization) -> str:
-        """The weights of ``variant``: ``--source VARIANT=…``, then ``--source …``, then the catalog's."""
+        """The weights of ``variant``: ``--source VARIANT=…``, then ``--source …``, then the catalog's, then
+        the site's model store (``model_store_url``, e.g. a loaded bundle's)."""
         chosen = spec.sources.get(variant) or spec.source or model.sources.get(variant)
         if chosen:
             return chosen
+        if self.settings.model_store_url:
+            return f"{self.settings.model_store_url.rstrip('/')}/{model.name}/{variant.value}"
         if model.name == TINY_MODEL_NAME and variant is Quantization.NONE:
             # The tiny model is generated, never downloaded: deterministic, so every node gets the
             # same bytes (and the same manifest digest in the cache).
@@ -256,7 +259,7 @@ class Deployer:
             image = None
             if spec.engine is EngineKind.VLLM:
                 image = self.settings.vllm_image or self.compat.image_for(
-                    rows, self.settings.vllm_image_repository
+                    rows, self.settings.resolved_vllm_image_repository
                 )
             self._check_layout(spec, rp, index, engine)
             source = method = None
