@@ -15,7 +15,7 @@ from controlplane.catalog.compat import CompatTable, Generation, load_compat
 from controlplane.controller.health import PROBED_STATES, HealthRule, judge, probe_path
 from controlplane.engines.base import Engine, ReplicaContext, check_engine_args
 from controlplane.errors import LaunchError, NotFoundError, PlacementError, SarvError, UserError, WeightsError
-from controlplane.launchers.base import Launcher, ProcessState
+from controlplane.launchers.base import Launcher, ProcessState, ReplicaProcess
 from controlplane.launchers.local import LocalLauncher
 from controlplane.settings import Settings
 from controlplane.spec import (
@@ -557,6 +557,70 @@ class Deployer:
             self.store.put_deployment(previous)
         if errors:
             raise LaunchError(f"rollback of {spec.name} incomplete: {'; '.join(errors)}")
+
+    # --- healing: one replica at a time (the controller)
+
+    def poll(self, rec: ReplicaRecord) -> ReplicaProcess | None:
+        """What the replica's launcher sees of its process; None when no launcher here can reach it."""
+        launcher = self._launcher_for_record(rec)
+        if launcher is None or not rec.handle:
+            return None
+        return launcher.poll(rec.handle)
+
+    def stop_replica(self, rec: ReplicaRecord) -> None:
+        """Stop the replica's process (keeping its record), where a launcher here can reach it."""
+        launcher = self._launcher_for_record(rec)
+        if launcher is not None and rec.handle:
+            launcher.stop(rec.handle)
+
+    def relaunch(self, name: str, index: int, *, avoid: frozenset[str] = frozenset()) -> ReplicaRecord:
+        """Start replica ``index`` of ``name`` again, without waiting for it to load; its old process is
+        stopped and its record replaced (``starting``). Where its stored placement uses a node in
+        ``avoid`` it is placed anew around every other replica on the fleet less those nodes (a
+        pipeline-parallel replica moves as a whole); no room raises :class:`PlacementError`."""
+        record = self.store.get_deployment(name)
+        if record is None:
+            raise NotFoundError(f"no deployment named {name!r}")
+        spec = record.spec
+        model = self.catalog.get(spec.model)
+        old = self.store.get_replica(f"{name}-{index}")
+        plan = record.plan
+        placed = plan.replicas[index] if index < len(plan.replicas) else None
+        if placed is None or any(s.node in avoid for s in placed.shards):
+            plan = self._replace_placement(record, model, index, avoid)
+        prepared = self._preflight(spec, model, plan, [index])
+        if old is not None:
+            try:
+                self.stop_replica(old)
+            except SarvError as exc:
+                # A lost node cannot be reached: its process is stopped when it answers again.
+                self._say(old.id, f"{old.id}: could not stop the old process: {exc}")
+            self.store.delete_replica(old.id)
+        launched: list[_Launched] = []
+        self._launch_all(
+            spec, model=model, plan=plan, todo=[index], port=None, launched=launched, prepared=prepared
+        )
+        return launched[0].record
+
+    def _replace_placement(
+        self, record: DeploymentRecord, model: ModelSpec, index: int, avoid: frozenset[str]
+    ) -> Plan:
+        """``record``'s plan with replica ``index`` placed anew off ``avoid``; stored before it returns."""
+        spec = record.spec
+        own = f"{spec.name}-{index}"
+        taken = [s for r in self.store.list_replicas() if r.id != own for s in r.shards]
+        fleet = self.fleet.model_copy(update={"nodes": [n for n in self.fleet.nodes if n.name not in avoid]})
+        one = self.planner(fleet, spec.model_copy(update={"replicas": 1}), model, taken)
+        if one.unplaced or not one.replicas:
+            reasons = "; ".join(one.reasons) or "no node can hold it"
+            raise PlacementError(f"no room for replica {own} off {', '.join(sorted(avoid))}: {reasons}")
+        replicas = list(record.plan.replicas)
+        while len(replicas) <= index:
+            replicas.append(one.replicas[0])
+        replicas[index] = one.replicas[0]
+        plan = record.plan.model_copy(update={"replicas": replicas})
+        self.store.put_deployment(record.model_copy(update={"plan": plan, "updated_at": self.clock()}))
+        return plan
 
     # --- observe, undeploy, logs
 
