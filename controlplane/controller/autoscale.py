@@ -38,8 +38,8 @@ class AutoscaleConfig(BaseModel):
     """Scale up when the window's ``queue_wait_quantile`` of the replicas' queue time (vLLM's
     ``vllm:request_queue_time_seconds``) or of the gateway's (``sarv_gateway_queue_seconds``) passes it."""
     queue_wait_quantile: float = Field(default=0.9, gt=0, lt=1)
-    queue_window_s: float = Field(default=30.0, gt=0, le=3600)
-    """The window of the queue-wait quantile and of the KV-cache usage."""
+    window_s: float = Field(default=30.0, gt=0, le=3600)
+    """The window of the queue-wait quantile and of the mean requests per replica."""
     kv_cache_target: float = Field(default=0.9, gt=0, le=1)
     """Scale up when the replicas' mean KV-cache usage stays above it for ``kv_cache_window_s``."""
     kv_cache_window_s: float = Field(default=30.0, ge=0, le=3600)
@@ -54,13 +54,16 @@ class AutoscaleConfig(BaseModel):
     upscale_delay_s: float = Field(default=0.0, ge=0, le=86_400)
     """How long every period must ask for more replicas before the policy recommends them. 0: the
     windowed quantile is already the smoothing, and a second delay would only add reaction time."""
+    load_upscale_delay_s: float = Field(default=30.0, ge=0, le=86_400)
+    """The delay of a scale-up asked for by the request count alone (no queue wait, no KV pressure): a
+    count is noisier than a wait and says less about what users see."""
     downscale_delay_s: float = Field(default=300.0, ge=0, le=86_400)
     """The stabilisation window: how long every period must ask for fewer replicas before they go."""
     tolerance: float = Field(default=0.1, ge=0, lt=1)
     """Load within ``target × (1 ± tolerance)`` per replica changes nothing."""
     max_step_up: int = Field(default=2, ge=1, le=64)
     """Most replicas one decision adds."""
-    max_step_down: int = Field(default=1, ge=1, le=64)
+    max_step_down: int = Field(default=2, ge=1, le=64)
     """Most replicas one decision removes."""
     scale_to_zero: bool = False
     """Allow ``min_replicas: 0``. Off by default: it only helps where the gateway holds requests while
@@ -131,6 +134,8 @@ class Sample:
 
     at: float
     queues: tuple[tuple[str, HistogramSample], ...]
+    load: float = 0.0
+    """Waiting + running requests over the measured replicas."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,8 @@ class Signals:
     kv_cache_usage: float | None = None
     """Mean KV-cache usage of the measured replicas this period."""
     kv_high_for_s: float = 0.0
+    load: float = 0.0
+    """Mean waiting + running requests over the window (the measured replicas together)."""
 
 
 @dataclass(frozen=True)
@@ -228,8 +235,10 @@ def _window(ctx: AutoscaleContext, state: PolicyState) -> tuple[Signals, PolicyS
         + [(f"gateway:{name}", h) for name, h in ctx.gateway_queue]
     )
     kept = state.samples if members == state.members else ()
-    kept = tuple(s for s in kept if ctx.now - s.at <= cfg.queue_window_s + _EPSILON)
-    samples = (*kept, Sample(ctx.now, queues))
+    kept = tuple(s for s in kept if ctx.now - s.at <= cfg.window_s + _EPSILON)
+    load = sum(r.ongoing or 0.0 for r in measured)
+    samples = (*kept, Sample(ctx.now, queues, load))
+    mean_load = sum(s.load for s in samples) / len(samples)
 
     oldest = dict(samples[0].queues)
     recent: dict[str, HistogramSample | None] = {"replicas": None, "gateway": None}
@@ -253,7 +262,7 @@ def _window(ctx: AutoscaleContext, state: PolicyState) -> tuple[Signals, PolicyS
     kv = sum(usages) / len(usages) if usages else None
     high = kv is not None and kv > cfg.kv_cache_target
     kv_since = (state.kv_high_since if state.kv_high_since is not None else ctx.now) if high else None
-    signals = Signals(wait, which, kv, ctx.now - kv_since if kv_since is not None else 0.0)
+    signals = Signals(wait, which, kv, ctx.now - kv_since if kv_since is not None else 0.0, mean_load)
     after = PolicyState(state.direction, state.since, state.periods, samples, kv_since, members)
     return signals, after
 
@@ -278,8 +287,8 @@ def decide(ctx: AutoscaleContext, state: PolicyState) -> tuple[Decision, PolicyS
     Up: when the window's queue-wait quantile passes ``queue_wait_target_s``, the mean KV-cache usage has
     stayed above ``kv_cache_target`` for ``kv_cache_window_s``, or the load per replica is above
     ``target_ongoing_requests`` (beyond the tolerance): to ``ceil(load / target)``, at least one more,
-    at most ``max_step_up`` more. Not while a replica is still loading (capacity on its way) unless the
-    load count alone asks for more than what runs and loads.
+    at most ``max_step_up`` more. Not while a replica is still loading: it is capacity on its way, and
+    the queue it has not started to drain would ask again for what it brings.
 
     Down: when the load per replica is below the target (beyond the tolerance) and neither queue wait
     nor KV usage presses: to ``ceil(load / target)``, at most ``max_step_down`` fewer, never below the
@@ -299,7 +308,8 @@ def decide(ctx: AutoscaleContext, state: PolicyState) -> tuple[Decision, PolicyS
     measured = [r for r in ctx.replicas if not r.loading]
     low, high = ctx.min_replicas, ctx.max_replicas
 
-    load = sum(r.ongoing or 0.0 for r in measured)
+    # Sized on the window's mean, not one period's count: a passing burst is not a reason to add.
+    load = signals.load
     per_replica = load / current
     ratio = per_replica / cfg.target_ongoing_requests
     details = {"per_replica": per_replica, "ratio": ratio}
@@ -317,15 +327,25 @@ def decide(ctx: AutoscaleContext, state: PolicyState) -> tuple[Decision, PolicyS
     in_band = abs(ratio - 1.0) <= cfg.tolerance + _EPSILON
 
     if pressure is not None or (ratio > 1.0 and not in_band):
-        if pressure is not None and loading and by_load <= current:
-            return hold(f"{pressure}; {loading} replica(s) loading are capacity on its way", current)
-        wanted = max(by_load, current + 1) if pressure is not None else by_load
+        if loading:
+            why = pressure or f"{per_replica:.2f} requests per replica"
+            return hold(f"{why}; {loading} replica(s) loading are capacity on its way", current)
+        wanted = by_load
+        if pressure is not None:
+            # As far over the target as the wait is, at least one more (then the step bound).
+            wait = signals.queue_wait_s or 0.0
+            over = max(1.0, wait / cfg.queue_wait_target_s) if "queue" in pressure else 1.0
+            wanted = max(by_load, current + 1, math.ceil(current * over - _EPSILON))
         desired = _clip(min(wanted, current + cfg.max_step_up), low, high)
         why = pressure or f"{per_replica:.2f} requests per replica > target {cfg.target_ongoing_requests:g}"
     elif in_band:
         return hold(f"{per_replica:.2f} requests per replica is within {cfg.tolerance:.0%} of the target")
     else:
-        desired = _clip(max(by_load, current - cfg.max_step_down), low, high)
+        # Down only to a count whose load per replica stays below the band (not just inside its top):
+        # otherwise the first burst after a scale-down asks for the replica back.
+        floor = cfg.target_ongoing_requests * (1.0 - cfg.tolerance)
+        after = math.ceil(load / floor - _EPSILON)
+        desired = _clip(max(after, current - cfg.max_step_down), low, high)
         why = f"{per_replica:.2f} requests per replica < target {cfg.target_ongoing_requests:g}"
     # Never scale down a replica that is still loading: only measured replicas may go.
     desired = max(desired, loading)
@@ -344,7 +364,13 @@ def decide(ctx: AutoscaleContext, state: PolicyState) -> tuple[Decision, PolicyS
         state.kv_high_since,
         state.members,
     )
-    delay = cfg.upscale_delay_s if direction is Direction.UP else cfg.downscale_delay_s
+    delay = cfg.downscale_delay_s
+    if direction is Direction.UP:
+        delay = (
+            cfg.upscale_delay_s
+            if pressure is not None
+            else max(cfg.upscale_delay_s, cfg.load_upscale_delay_s)
+        )
     waited = ctx.now - since
     word = "upscale" if direction is Direction.UP else "downscale"
     if waited >= delay:

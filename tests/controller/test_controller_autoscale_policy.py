@@ -48,9 +48,11 @@ def ctx(
         {
             "target_ongoing_requests": 4,
             "upscale_delay_s": 0,
+            "load_upscale_delay_s": 0,
             "downscale_delay_s": 0,
             "max_step_up": 64,
             "max_step_down": 64,
+            "window_s": 1,
             **config,
         }
     )
@@ -341,17 +343,24 @@ def _queue_run(waits_per_period: Sequence[Sequence[float]], **config: object) ->
     for waits in waits_per_period:
         seen.extend(waits)
         replicas = (queued("d-0", seen), queued("d-1", seen))
-        d, state = decide(ctx(replicas, clock.now, **config), state)  # type: ignore[arg-type]
+        d, state = decide(ctx(replicas, clock.now, **{"window_s": 30, **config}), state)  # type: ignore[arg-type]
         out.append(d)
         clock.advance(5)
     return out
 
 
 def test_queue_wait_over_the_target_scales_up_although_requests_per_replica_are_on_target() -> None:
-    decisions = _queue_run([[0.01] * 10, [0.01] * 10, [0.6] * 10])
+    decisions = _queue_run([[0.01] * 10, [0.01] * 10, [0.6] * 10], max_step_up=1)
     assert [d.recommended for d in decisions] == [2, 2, 3]
     assert decisions[-1].reason.startswith("queue wait p90 0.")
     assert decisions[-1].reason.endswith("s > 0.20 s")
+
+
+def test_the_further_over_the_target_the_larger_the_step() -> None:
+    # p90 about 0.46 s, 2.3 × the target: 2 replicas become ceil(2 × 2.3) = 5, bounded by max_step_up.
+    decisions = _queue_run([[0.01] * 10, [0.45] * 10], max_step_up=8)
+    assert decisions[-1].recommended == 5
+    assert _queue_run([[0.01] * 10, [0.45] * 10], max_step_up=2)[-1].recommended == 4
 
 
 def test_short_queue_waits_change_nothing() -> None:
@@ -375,7 +384,7 @@ def test_gateway_queue_wait_scales_up_too() -> None:
     replicas = (queued("d-0", []), queued("d-1", []))
     first = (("gw", histogram([0.01] * 5, bounds)),)
     later = (("gw", histogram([0.01] * 5 + [0.4] * 20, bounds)),)
-    cfg = {"target_ongoing_requests": 4, "upscale_delay_s": 0}
+    cfg = {"target_ongoing_requests": 4, "upscale_delay_s": 0, "max_step_up": 1}
     c0 = AutoscaleContext("d", AutoscaleConfig.model_validate(cfg), 1, 5, replicas, clock.now, first)
     _, state = decide(c0, PolicyState())
     c1 = AutoscaleContext("d", c0.config, 1, 5, replicas, clock.advance(5), later)
@@ -413,7 +422,7 @@ def test_queue_pressure_waits_for_replicas_still_loading() -> None:
     for waits in ([0.01] * 10, [0.9] * 10):
         seen.extend(waits)
         replicas = (queued("d-0", seen), queued("d-1", seen), ReplicaLoad("d-2", loading=True))
-        d, state = decide(ctx(replicas, clock.now), state)
+        d, state = decide(ctx(replicas, clock.now, window_s=30), state)
         clock.advance(5)
     assert (d.current, d.recommended) == (3, 3)
     assert "loading are capacity on its way" in d.reason
@@ -435,3 +444,32 @@ def test_deployment_bounds_win_over_the_policy_and_the_requested_count() -> None
     assert cfg.bounds(2, 2, 8) == (2, 8)
     assert cfg.bounds(2, None, 8) == (1, 8)
     assert AutoscaleConfig().bounds(3, None, 6) == (3, 6)
+
+
+def test_request_count_alone_waits_for_load_upscale_delay_but_queue_wait_does_not() -> None:
+    clock = FakeClock()
+    d, state = decide(ctx(loads(8, 8), clock.now, load_upscale_delay_s=30), PolicyState())
+    assert d.recommended == 2
+    assert "upscale to 4 pending" in d.reason
+    d, _ = decide(ctx(loads(8, 8), clock.advance(30), load_upscale_delay_s=30), state)
+    assert d.recommended == 4
+    waits = _queue_run([[0.01] * 10, [0.6] * 10], load_upscale_delay_s=600, max_step_up=1)
+    assert waits[-1].recommended == 3
+
+
+def test_scales_down_only_to_a_count_below_the_band() -> None:
+    # 3 replicas carrying 7.5 in all (target 4, band 3.6-4.4): 2 replicas would carry 3.75 each, inside
+    # the band's top half; the next burst would ask for the third back. Stays at 3 until the load falls.
+    assert once(loads(2.5, 2.5, 2.5)).recommended == 3
+    assert once(loads(2.0, 2.0, 2.0)).recommended == 2
+
+
+def test_a_one_period_burst_is_averaged_over_the_window() -> None:
+    clock = FakeClock()
+    state = PolicyState()
+    for ongoing in (4, 4, 4, 4, 4):
+        _, state = decide(ctx(loads(ongoing, ongoing), clock.now, window_s=30), state)
+        clock.advance(5)
+    d, _ = decide(ctx(loads(6, 6), clock.now, window_s=30), state)
+    assert d.recommended == 2  # 6 per replica this period, 4.33 over the window: inside the band
+    assert d.signals.load == pytest.approx((5 * 8 + 12) / 6)
