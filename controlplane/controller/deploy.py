@@ -653,7 +653,9 @@ class Deployer:
             if proc is None or proc.state is not ProcessState.RUNNING:
                 new_state = ReplicaState.FAILED
                 code = f" (exit code {proc.exit_code})" if proc and proc.exit_code is not None else ""
-                message = f"process {rec.handle.get('pid', '?')} is not running{code}"
+                # Already failed: keep the account given then (the controller's crash loop, its back-off).
+                if rec.state is not ReplicaState.FAILED or not rec.message:
+                    message = f"process {rec.handle.get('pid', '?')} is not running{code}"
             elif rec.endpoint and rec.state in PROBED_STATES:
                 path = probe_path(rec)
                 error = _http_check(f"{rec.endpoint}{path}", self.api_key)
