@@ -472,6 +472,8 @@ class ReplicaState(StrEnum):
     READY = "ready"
     UNHEALTHY = "unhealthy"
     FAILED = "failed"
+    DRAINING = "draining"
+    """Being removed: the gateway routes no new request to it while its in-flight ones finish."""
     STOPPING = "stopping"
 
 

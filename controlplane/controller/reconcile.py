@@ -194,6 +194,36 @@ class ControllerMetrics:
             ["deployment"],
             registry=r,
         )
+        self.deployment_replicas = Gauge(
+            "sarv_deployment_replicas",
+            "Replicas of a deployment: desired, current (placed, not leaving), ready, loading, pending.",
+            ["deployment", "state"],
+            registry=r,
+        )
+        self.unplaced = Gauge(
+            "sarv_deployment_unplaced_replicas",
+            "Replicas asked for that the planner could not place, by reason (no_room …).",
+            ["deployment", "reason"],
+            registry=r,
+        )
+        self.events = Counter(
+            "sarv_controller_events_total",
+            "Events the controller recorded, by reason and type (Normal, Warning).",
+            ["reason", "type"],
+            registry=r,
+        )
+        self.node_gpus = Gauge(
+            "sarv_node_gpus",
+            "GPUs of a node by state: allocated (held by a replica) or free.",
+            ["node", "gpu_type", "state"],
+            registry=r,
+        )
+        self.node_schedulable = Gauge(
+            "sarv_node_schedulable",
+            "1 while the node takes new replicas, 0 while it is cordoned.",
+            ["node"],
+            registry=r,
+        )
 
 
 def serve_metrics(metrics: ControllerMetrics, host: str, port: int) -> Callable[[], None]:

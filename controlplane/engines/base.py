@@ -127,6 +127,11 @@ class Engine(Protocol):
         """Whether the launcher must land verified weights on the node before starting it."""
         ...
 
+    @property
+    def multi_node(self) -> bool:
+        """Whether one replica may span nodes (pipeline stages joined by the group launcher)."""
+        ...
+
     def build(self, ctx: ReplicaContext) -> EngineLaunch: ...
 
 

@@ -39,6 +39,8 @@ class VllmEngine:
 
     kind: EngineKind = EngineKind.VLLM
     needs_weights: bool = True
+    multi_node: bool = False
+    """The Ray cluster of a multi-node replica would have to run inside the containers; not built yet."""
 
     def build(self, ctx: ReplicaContext) -> EngineLaunch:
         nodes = {s.node for s in ctx.shards}
@@ -46,7 +48,7 @@ class VllmEngine:
             # Pipeline stages on several nodes run as one Ray cluster; that is a launcher's job.
             raise LaunchError(
                 f"replica {ctx.replica_id} spans nodes {', '.join(sorted(nodes))}",
-                hint="multi-node pipeline parallelism needs the Ray launcher",
+                hint="the vllm engine runs each replica on one node; see docs/runtime.md",
             )
         if ctx.model_dir is None:
             raise LaunchError(f"replica {ctx.replica_id}: no verified weights directory to mount")

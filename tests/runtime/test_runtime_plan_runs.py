@@ -182,6 +182,9 @@ def test_tools_turn_on_the_catalogs_parser(
         (["llama-3-8b", "--max-model-len", "4096", "--source-awq"], 6,
          "holds the awq variant (quant_method awq, torch_dtype float16), but the plan runs llama-3-8b's "
          "none"),
+        # 405B bf16 needs two 8-GPU A100 nodes per replica: the vllm engine refuses before ~800 GB move.
+        (["llama-3.1-405b", "--tp", "8", "--max-model-len", "4096", "--two-a100-nodes"], 2,
+         "needs pipeline stages on 2 nodes (a100-1, a100-2), and the vllm engine runs a replica on one node"),
     ],
 )  # fmt: skip
 def test_refusals_come_before_anything_is_copied_or_started(
@@ -197,6 +200,11 @@ def test_refusals_come_before_anything_is_copied_or_started(
         args.remove("--node-selector-t4")
         only_t4 = _fleet_file(tmp_path / "t4.json", [("t4-1", "Tesla T4", 1, 15360)])
         monkeypatch.setenv("SARV_INVENTORY", str(only_t4))
+    if "--two-a100-nodes" in args:
+        args.remove("--two-a100-nodes")
+        two = [("a100-1", "A100-SXM4-80GB", 8, 81920), ("a100-2", "A100-SXM4-80GB", 8, 81920)]
+        monkeypatch.setenv("SARV_INVENTORY", str(_fleet_file(tmp_path / "two.json", two)))
+        args += ["--source", _weights(tmp_path / "bf16")]
     if "--source-awq" in args:
         args.remove("--source-awq")
         args += ["--source", _weights(tmp_path / "awq", {"quant_method": "awq", "bits": 4}, "float16")]
