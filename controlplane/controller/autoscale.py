@@ -4,7 +4,7 @@ replica) and its window to a recommended replica count."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -305,7 +305,6 @@ def decide(ctx: AutoscaleContext, state: PolicyState) -> tuple[Decision, PolicyS
     signals, state = _window(ctx, state)
     current = len(ctx.replicas)
     loading = sum(1 for r in ctx.replicas if r.loading)
-    measured = [r for r in ctx.replicas if not r.loading]
     low, high = ctx.min_replicas, ctx.max_replicas
 
     # Sized on the window's mean, not one period's count: a passing burst is not a reason to add.
@@ -354,6 +353,21 @@ def decide(ctx: AutoscaleContext, state: PolicyState) -> tuple[Decision, PolicyS
         bound = " (a bound)" if desired in {low, high} else ""
         return hold(f"{why}, but {desired} replica(s){bound} is what runs", desired)
 
+    delay = cfg.downscale_delay_s
+    if direction is Direction.UP:
+        delay = (
+            cfg.upscale_delay_s
+            if pressure is not None
+            else max(cfg.upscale_delay_s, cfg.load_upscale_delay_s)
+        )
+    base = Decision(current, desired, why, desired, load, details, signals)
+    return _after_delay(ctx, state, base, direction, delay)
+
+
+def _after_delay(
+    ctx: AutoscaleContext, state: PolicyState, base: Decision, direction: Direction, delay: float
+) -> tuple[Decision, PolicyState]:
+    """``base`` once the run in ``direction`` has lasted ``delay``; until then the count as it is."""
     continues = state.direction is direction and state.since is not None
     since = state.since if continues and state.since is not None else ctx.now
     run = PolicyState(
@@ -364,19 +378,12 @@ def decide(ctx: AutoscaleContext, state: PolicyState) -> tuple[Decision, PolicyS
         state.kv_high_since,
         state.members,
     )
-    delay = cfg.downscale_delay_s
-    if direction is Direction.UP:
-        delay = (
-            cfg.upscale_delay_s
-            if pressure is not None
-            else max(cfg.upscale_delay_s, cfg.load_upscale_delay_s)
-        )
     waited = ctx.now - since
-    word = "upscale" if direction is Direction.UP else "downscale"
     if waited >= delay:
-        return Decision(current, desired, why, desired, load, details, signals), run
+        return base, run
+    word = "upscale" if direction is Direction.UP else "downscale"
     reason = (
-        f"{word} to {desired} pending ({why}): {waited:.0f}s of {word}_delay_s {delay:.0f}s "
+        f"{word} to {base.recommended} pending ({base.reason}): {waited:.0f}s of {word}_delay_s {delay:.0f}s "
         f"({run.periods} periods)"
     )
-    return Decision(current, current, reason, desired, load, details, signals), run
+    return replace(base, recommended=base.current, reason=reason), run

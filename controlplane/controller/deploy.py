@@ -702,8 +702,9 @@ class Deployer:
             return None
         return launcher.poll(rec.handle)
 
-    def stop_replica(self, rec: ReplicaRecord) -> None:
-        """Stop the replica's process (keeping its record), where a launcher here can reach it."""
+    def stop_process(self, rec: ReplicaRecord) -> None:
+        """Stop the replica's process and leave the store alone (its record may already name a successor
+        with the same id), where a launcher here can reach it."""
         launcher = self._launcher_for_record(rec)
         if launcher is not None and rec.handle:
             launcher.stop(rec.handle)
@@ -726,7 +727,7 @@ class Deployer:
         prepared = self._preflight(spec, model, plan, [index])
         if old is not None:
             try:
-                self.stop_replica(old)
+                self.stop_process(old)
             except SarvError as exc:
                 # A lost node cannot be reached: its process is stopped when it answers again.
                 self._say(old.id, f"{old.id}: could not stop the old process: {exc}")
@@ -743,12 +744,18 @@ class Deployer:
         """``record``'s plan with replica ``index`` placed anew off ``avoid``; stored before it returns."""
         spec = record.spec
         own = f"{spec.name}-{index}"
-        taken = [s for r in self.store.list_replicas() if r.id != own for s in r.shards]
-        fleet = self.fleet.model_copy(update={"nodes": [n for n in self.fleet.nodes if n.name not in avoid]})
-        one = self.planner(fleet, spec.model_copy(update={"replicas": 1}), model, taken)
+        others = [r for r in self.store.list_replicas() if r.id != own]
+        taken = [s for r in others for s in r.shards]
+        schedulable = self.schedulable_fleet()
+        fleet = schedulable.model_copy(
+            update={"nodes": [n for n in schedulable.nodes if n.name not in avoid]}
+        )
+        mates = sorted({s.node for r in others if r.deployment == spec.name for s in r.shards})
+        one = self.planner(fleet, spec.model_copy(update={"replicas": 1}), model, taken, avoid_nodes=mates)
         if one.unplaced or not one.replicas:
-            reasons = "; ".join(one.reasons) or "no node can hold it"
-            raise PlacementError(f"no room for replica {own} off {', '.join(sorted(avoid))}: {reasons}")
+            raise PlacementError(
+                f"no room for replica {own} off {', '.join(sorted(avoid))}: {self.no_room_reason(one)}"
+            )
         replicas = list(record.plan.replicas)
         while len(replicas) <= index:
             replicas.append(one.replicas[0])

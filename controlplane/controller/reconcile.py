@@ -94,6 +94,8 @@ class ControllerConfig(BaseModel):
     """After a scale-up the planner could not place, the first wait before trying again (doubling up to
     ``unplaced_backoff_max_s``)."""
     unplaced_backoff_max_s: float = Field(default=600.0, gt=0, le=86_400)
+    drain_timeout_s: float = Field(default=120.0, gt=0, le=3600)
+    """How long a scale-down lets a removed replica's in-flight requests finish before stopping it."""
     healing: HealingConfig = Field(default_factory=HealingConfig)
     """Restart back-off, crash loops and the node grace period."""
 
@@ -168,12 +170,6 @@ class ControllerMetrics:
             "sarv_autoscaler_decisions",
             "Scaling decisions the controller applied, by deployment and direction (up|down).",
             ["deployment", "direction"],
-            registry=r,
-        )
-        self.unplaced = Gauge(
-            "sarv_deployment_unplaced_replicas",
-            "Replicas a scale-up asked for that the planner could not place (0 once placed).",
-            ["deployment"],
             registry=r,
         )
         self.queue_wait = Gauge(
@@ -398,7 +394,7 @@ class Reconciler:
             report.decisions = self._autoscale(deployments, replicas, probes, gateway)
         if acting and self._still_leader():
             with self._phase("scale", report):
-                await self._apply(deployments, report)
+                await self._apply(deployments, replicas, report)
 
     def _take_lease(self) -> bool:
         if self.lease is None:
@@ -596,51 +592,85 @@ class Reconciler:
 
     # --- act: scale
 
-    async def _apply(self, deployments: list[DeploymentRecord], report: PassReport) -> None:
+    async def _apply(
+        self, deployments: list[DeploymentRecord], replicas: list[ReplicaRecord], report: PassReport
+    ) -> None:
         """Apply each deployment's decision through ``scale``: one change per deployment per pass (the
-        policy bounds its step), and none while a scale-up that could not be placed backs off."""
+        policy bounds its step). Replicas the planner could not place wait as ``pending``; placing them
+        is tried again after a back-off (doubling), never in a tight loop."""
+        from controlplane.controller.scaling import NO_ROOM
+
+        now = self.monotonic()
+        for dep in deployments:
+            decision = report.decisions.get(dep.name)
+            pending = sum(
+                1
+                for r in replicas
+                if r.deployment == dep.name
+                and r.state is ReplicaState.PENDING
+                and r.message.startswith(NO_ROOM)
+            )
+            retry = self._unplaced.get(dep.name)
+            backing_off = retry is not None and now < retry[0]
+            direction = decision.direction if decision is not None else Direction.NONE
+            if decision is not None and (
+                direction is Direction.DOWN or (direction is Direction.UP and not backing_off)
+            ):
+                reason = f"scaled from {decision.current} to {decision.recommended}: {decision.reason}"
+                await self._scale(dep, decision.recommended, reason, report)
+            elif pending and not backing_off:
+                why = f"placing {pending} pending replica(s) again"
+                await self._scale(dep, dep.spec.replicas, why, report, retry_only=True)
+            elif backing_off and retry is not None and direction is Direction.UP:
+                logger.info(
+                    "deployment %s: scale-up backs off %.0fs more (no room)", dep.name, retry[0] - now
+                )
+
+    async def _scale(
+        self,
+        dep: DeploymentRecord,
+        replicas: int,
+        reason: str,
+        report: PassReport,
+        *,
+        retry_only: bool = False,
+    ) -> None:
         from controlplane.controller.scaling import scale
 
         deployer = self.deployer
         assert deployer is not None
+        result = await asyncio.to_thread(
+            scale,
+            deployer,
+            dep.name,
+            replicas,
+            reason=reason,
+            source="controller",
+            wait=False,
+            drain_timeout=self.config.drain_timeout_s,
+            metrics=self.metrics,
+        )
         now = self.monotonic()
-        for dep in deployments:
-            decision = report.decisions.get(dep.name)
-            if decision is None or decision.direction is Direction.NONE:
-                continue
-            up = decision.direction is Direction.UP
+        if result.unplaced:
             retry = self._unplaced.get(dep.name)
-            if up and retry is not None and now < retry[0]:
-                logger.info(
-                    "deployment %s: scale-up backs off for %.0fs more (no room)", dep.name, retry[0] - now
-                )
-                continue
-            word = "scaled"
-            reason = f"{word} from {decision.current} to {decision.recommended}: {decision.reason}"
-            try:
-                await asyncio.to_thread(
-                    scale, deployer, dep.name, decision.recommended, reason=reason, source="controller"
-                )
-            except PlacementError as exc:
-                wait = self._next_backoff(retry)
-                self._unplaced[dep.name] = (now + wait, wait)
-                missing = decision.recommended - decision.current
-                self.metrics.unplaced.labels(dep.name).set(missing)
-                self._event(
-                    "NoRoom",
-                    f"cannot scale from {decision.current} to {decision.recommended}: {exc.message}; "
-                    f"next try in {wait:.0f} s",
-                    deployment=dep.name,
-                    warning=True,
-                )
-                continue
-            self.metrics.decisions.labels(dep.name, decision.direction.value).inc()
-            if up:
-                self._unplaced.pop(dep.name, None)
-                self.metrics.unplaced.labels(dep.name).set(0)
-            # The window so far was measured on the old replica set; the policy starts a new run.
+            wait = self._next_backoff(retry)
+            self._unplaced[dep.name] = (now + wait, wait)
+            logger.warning(
+                "deployment %s: %d replica(s) pending (%s); placing them again in %.0fs",
+                dep.name,
+                result.unplaced,
+                result.reason,
+                wait,
+            )
+        else:
+            self._unplaced.pop(dep.name, None)
+        self.metrics.unplaced.labels(dep.name, "no_room").set(result.unplaced)
+        if not retry_only and result.after != result.before:
+            direction = Direction.UP if result.after > result.before else Direction.DOWN
+            self.metrics.decisions.labels(dep.name, direction.value).inc()
+            report.scaled[dep.name] = (result.before, result.after)
+            # The window so far was measured on the old replica set: the policy starts a new run.
             self._policy[dep.name] = PolicyState()
-            report.scaled[dep.name] = (decision.current, decision.recommended)
 
     def _next_backoff(self, retry: tuple[float, float] | None) -> float:
         if retry is None:
@@ -656,21 +686,19 @@ class Reconciler:
         obj: str = "",
         warning: bool = False,
     ) -> None:
-        from controlplane.state.base import EventRecord
+        from controlplane.controller.events import record_event
 
-        self.store.append_event(
-            EventRecord(
-                at=self.clock(),
-                type="Warning" if warning else "Normal",
-                reason=reason,
-                message=message,
-                object=obj or f"deployment/{deployment}",
-                deployment=deployment,
-                source="controller",
-            )
+        record_event(
+            self.store,
+            reason,
+            message,
+            object=obj,
+            deployment=deployment,
+            type="Warning" if warning else "Normal",
+            source="controller",
+            metrics=self.metrics,
+            clock=self.clock,
         )
-        log = logger.warning if warning else logger.info
-        log("%s %s: %s", reason, obj or deployment, message)
 
     # --- act: heal
 
@@ -793,7 +821,7 @@ class Reconciler:
         if rec.state is ReplicaState.FAILED and rec.message.startswith("crash loop"):
             return rec
         with suppress(SarvError):
-            await asyncio.to_thread(deployer.stop_replica, rec)
+            await asyncio.to_thread(deployer.stop_process, rec)
         cfg = self.config.healing
         exit_code = f", last exit code {code}" if code is not None else ""
         message = (
@@ -836,6 +864,7 @@ class Reconciler:
             if before.lost and not after.lost:
                 await self._node_back(node)
             elif after.lost and not before.lost:
+                self._cordon_lost(node)
                 self._event(
                     "NodeLost",
                     f"{node} has not answered for {cfg.node_grace_s:.0f} s; its replicas move elsewhere",
@@ -844,13 +873,34 @@ class Reconciler:
                 )
         return frozenset(n for n, w in self._nodes.items() if w.lost)
 
+    def _cordon_lost(self, node: str) -> None:
+        """Keep new placements (scale, deploy) off a lost node; an operator's cordon is left as it is."""
+        from controlplane.state.base import NodeRecord
+
+        held = self.store.get_node(node)
+        if held is None or held.schedulable:
+            self.store.put_node(
+                NodeRecord(
+                    name=node,
+                    schedulable=False,
+                    reason=f"{LOST_NODE}: not answering",
+                    updated_at=self.clock(),
+                )
+            )
+
     async def _node_back(self, node: str) -> None:
         deployer = self.deployer
         assert deployer is not None
+        held = self.store.get_node(node)
+        if held is not None and not held.schedulable and held.reason.startswith(LOST_NODE):
+            # Only the controller's own cordon is lifted: an operator's stays.
+            self.store.put_node(
+                held.model_copy(update={"schedulable": True, "reason": "", "updated_at": self.clock()})
+            )
         orphans = self._orphans.pop(node, [])
         for old in orphans:
             with suppress(SarvError):
-                await asyncio.to_thread(deployer.stop_replica, old)
+                await asyncio.to_thread(deployer.stop_process, old)
         stopped = f"; stopped {len(orphans)} replica process(es) moved off it" if orphans else ""
         self._event("NodeBack", f"{node} answers again and takes placements{stopped}", obj=f"node/{node}")
 
@@ -863,16 +913,29 @@ class Reconciler:
         try:
             new = await asyncio.to_thread(deployer.relaunch, rec.deployment, rec.index, avoid=lost)
         except PlacementError as exc:
-            if rec.state is not ReplicaState.PENDING:
-                self._event(
-                    "NoRoom",
-                    f"{rec.id} stays pending: {exc.message}",
-                    deployment=rec.deployment,
-                    obj=f"replica/{rec.id}",
-                    warning=True,
-                )
-                return self._put(rec, ReplicaState.PENDING, f"node {rec.node} lost; no room elsewhere")
-            return rec
+            from controlplane.controller.scaling import NO_ROOM
+
+            self._event(
+                "NoRoom",
+                f"{rec.id} stays pending: {exc.message}",
+                deployment=rec.deployment,
+                obj=f"replica/{rec.id}",
+                warning=True,
+            )
+            # A plain pending replica, as scale leaves one: the pending retry places it once there is room.
+            pending = rec.model_copy(
+                update={
+                    "state": ReplicaState.PENDING,
+                    "message": f"{NO_ROOM}: node {rec.node} lost; {exc.message}",
+                    "node": "",
+                    "shards": [],
+                    "handle": {},
+                    "endpoint": None,
+                    "updated_at": self.clock(),
+                }
+            )
+            self.store.put_replica(pending)
+            return pending
         self.metrics.restarts.labels(rec.deployment, "node-lost").inc()
         report.restarted.append(rec.id)
         self._event(
@@ -905,6 +968,9 @@ class Reconciler:
         self._was_leader = False
         self.metrics.leader.set(0)
 
+
+LOST_NODE = "lost"
+"""Reason prefix of the cordon the controller puts on a node that stopped answering (lifted when it does)."""
 
 _COUNTED = frozenset(
     {ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY, ReplicaState.UNHEALTHY}
