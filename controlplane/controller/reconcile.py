@@ -857,6 +857,11 @@ class Reconciler:
             heard = (probe is not None and probe.ok) or isinstance(poll, ReplicaProcess)
             if probe is not None or poll is not None:
                 answered[rec.node] = answered.get(rec.node, False) or heard
+        # A lost node whose replicas all moved away is asked through the processes left on it.
+        for node, orphans in self._orphans.items():
+            if node not in answered and orphans:
+                heard = await asyncio.gather(*(self._poll(o) for o in orphans))
+                answered[node] = any(isinstance(p, ReplicaProcess) for p in heard)
         for node, ok in answered.items():
             before = self._nodes.get(node, NodeWatch())
             after = node_seen(cfg, before, now, answered=ok)
@@ -922,7 +927,11 @@ class Reconciler:
                 obj=f"replica/{rec.id}",
                 warning=True,
             )
-            # A plain pending replica, as scale leaves one: the pending retry places it once there is room.
+            # A plain pending replica, as scale leaves one: the pending retry places it once there is room,
+            # after the back-off (the planner has just said no).
+            if rec.deployment not in self._unplaced:
+                wait = self._next_backoff(None)
+                self._unplaced[rec.deployment] = (self.monotonic() + wait, wait)
             pending = rec.model_copy(
                 update={
                     "state": ReplicaState.PENDING,
