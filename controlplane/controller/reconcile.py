@@ -860,8 +860,8 @@ class Reconciler:
         # A lost node whose replicas all moved away is asked through the processes left on it.
         for node, orphans in self._orphans.items():
             if node not in answered and orphans:
-                heard = await asyncio.gather(*(self._poll(o) for o in orphans))
-                answered[node] = any(isinstance(p, ReplicaProcess) for p in heard)
+                replies = await asyncio.gather(*(self._poll(o) for o in orphans))
+                answered[node] = any(isinstance(p, ReplicaProcess) for p in replies)
         for node, ok in answered.items():
             before = self._nodes.get(node, NodeWatch())
             after = node_seen(cfg, before, now, answered=ok)
