@@ -711,7 +711,9 @@ class Reconciler:
     ) -> list[ReplicaRecord]:
         """Restart crashed replicas with back-off, stop crash loops, move replicas off lost nodes."""
         known = {d.name for d in deployments}
-        todo = [r for r in replicas if r.deployment in known and r.state is not ReplicaState.STOPPING]
+        from controlplane.controller.deploy import LEAVING_STATES
+
+        todo = [r for r in replicas if r.deployment in known and r.state not in LEAVING_STATES]
         polled = await asyncio.gather(*(self._poll(r) for r in todo))
         polls = {r.id: p for r, p in zip(todo, polled, strict=True)}
         lost = await self._watch_nodes(replicas, probes, polls)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
 
 from controlplane.catalog import Catalog
 from controlplane.controller import Deployer, default_engines
@@ -232,3 +233,34 @@ async def test_no_room_elsewhere_leaves_the_replica_pending_with_the_reason(
         launchers["n1"].cut = False
         os.killpg(old_pid, signal.SIGCONT)
         deployer.stop_process(old)
+
+
+async def test_a_scale_up_with_no_room_waits_pending_and_is_not_retried_in_a_tight_loop(
+    tmp_path: Path, store: StateStore, client: httpx.AsyncClient
+) -> None:
+    deployer, _ = make_deployer(tmp_path, store, ["n1"])
+    deployer.deploy(DeploymentSpec(name="m", model="sarv-tiny", engine=EngineKind.SIM), timeout=60)
+    # The deployment now asks for 2 at least: the one node holds 1.
+    record = store.get_deployment("m")
+    assert record is not None
+    store.put_deployment(
+        record.model_copy(
+            update={"spec": record.spec.model_copy(update={"min_replicas": 2, "max_replicas": 2})}
+        )
+    )
+    config = ControllerConfig(period_s=0.1, unplaced_backoff_s=3600)
+    reconciler = Reconciler(store=store, client=client, config=config, deployer=deployer)
+    try:
+        for _ in range(5):
+            await reconciler.run_once()
+        no_room = [e for e in store.list_events("m") if e.reason == "NoRoom"]
+        assert len(no_room) == 1  # one try, then the back-off
+        assert "every node holds a replica" in no_room[0].message
+        pending = [r for r in store.list_replicas("m") if r.state is ReplicaState.PENDING]
+        assert [r.message for r in pending] == ["no room: every node holds a replica"]
+        text = generate_latest(reconciler.metrics.registry).decode()
+        assert 'sarv_deployment_unplaced_replicas{deployment="m",reason="no_room"} 1.0' in text
+        assert 'sarv_autoscaler_decisions_total{deployment="m",direction="up"} 1.0' in text
+    finally:
+        for rec in store.list_replicas():
+            deployer.stop_process(rec)
