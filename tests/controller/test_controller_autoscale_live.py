@@ -7,10 +7,6 @@ request fails on the way. The controller's windows and delays are shortened by i
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -18,14 +14,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fixtures.controller import controller_process, llmctl_env
 from fixtures.gateway import GatewayStarter, add_key, gateway_factory
-from fixtures.vllm import LlmctlEnv, kill_groups
+from fixtures.vllm import LlmctlEnv
 
 from controlplane.gateway import GatewayConfig
 from controlplane.gateway.config import RoutingConfig
 from controlplane.state import StateStore, open_store
 
-__all__ = ["gateway_factory"]  # the fixture, imported for this module
+__all__ = ["gateway_factory", "llmctl_env"]  # the fixtures, imported for this module
 
 _LOAD_LIMIT_S = 60.0
 """Most seconds the load step runs: it stops early once the deployment has grown."""
@@ -33,44 +30,10 @@ _CLIENTS = 4
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> Iterator[LlmctlEnv]:
-    e = LlmctlEnv.create(tmp_path / "home")
-    yield e
-    pids: list[int] = []
-    with contextlib.suppress(AssertionError, ValueError):
-        pids = e.replica_pids()
-    with contextlib.suppress(AssertionError, ValueError):
-        for d in e.status()["deployments"]:
-            e.llmctl("undeploy", d["name"], timeout=60)
-    left = kill_groups(pids)
-    assert not left, f"processes left running: {left}"
-
-
-@pytest.fixture
-def store(env: LlmctlEnv) -> Iterator[StateStore]:
-    s = open_store(env.env["SARV_STATE_URL"])
+def store(llmctl_env: LlmctlEnv) -> Iterator[StateStore]:
+    s = open_store(llmctl_env.env["SARV_STATE_URL"])
     yield s
     s.close()
-
-
-@contextlib.contextmanager
-def controller(env: LlmctlEnv, tmp_path: Path, config: str) -> Iterator[None]:
-    path = tmp_path / "controller.yaml"
-    path.write_text(config)
-    with (tmp_path / "controller.log").open("w") as log:
-        argv = [sys.executable, "-m", "controlplane.cli.main", "controller", "run", "-c", str(path)]
-        proc = subprocess.Popen(
-            [*argv, "--metrics-port", "0"], env=env.env, stdout=log, stderr=subprocess.STDOUT
-        )
-        try:
-            yield
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def ready(store: StateStore) -> int:
@@ -103,8 +66,9 @@ async def load_step(url: str, key: str, store: StateStore) -> Counter[int]:
 
 
 def test_load_step_grows_the_deployment_and_it_shrinks_after(
-    env: LlmctlEnv, store: StateStore, tmp_path: Path, gateway_factory: GatewayStarter
+    llmctl_env: LlmctlEnv, store: StateStore, tmp_path: Path, gateway_factory: GatewayStarter
 ) -> None:
+    env = llmctl_env
     # One sequence at a time and ~0.2 s per answer: 4 clients queue ~0.6 s in the engine.
     env.llmctl(
         "deploy", "sarv-tiny", "--engine", "sim", "--min-replicas", "1", "--max-replicas", "2",
@@ -124,7 +88,7 @@ autoscale:
   load_upscale_delay_s: 0
   downscale_delay_s: 3
 """
-    with controller(env, tmp_path, config):
+    with controller_process(env, tmp_path, config):
         codes = asyncio.run(load_step(gw.url, key, store))
         grew = ready(store)
         deadline = time.monotonic() + 45

@@ -9,18 +9,19 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures.vllm import LlmctlEnv, kill_groups
+from fixtures.controller import controller_process, llmctl_env
+from fixtures.vllm import LlmctlEnv
 
 from controlplane.state import open_store
 from controlplane.state.base import EventRecord
+
+__all__ = ["llmctl_env"]  # the fixture, imported for this module
 
 _CONFIG = """\
 period_s: 0.3
@@ -33,52 +34,8 @@ healing:
 """
 
 
-@pytest.fixture
-def env(tmp_path: Path) -> Iterator[LlmctlEnv]:
-    e = LlmctlEnv.create(tmp_path / "home")
-    yield e
-    pids: list[int] = []
-    with contextlib.suppress(AssertionError, ValueError):
-        pids = e.replica_pids()
-    with contextlib.suppress(AssertionError, ValueError):
-        for d in e.status()["deployments"]:
-            e.llmctl("undeploy", d["name"], timeout=60)
-    left = kill_groups(pids)
-    assert not left, f"processes left running: {left}"
-
-
-@contextlib.contextmanager
-def controller(env: LlmctlEnv, tmp_path: Path, config: str = _CONFIG) -> Iterator[subprocess.Popen[str]]:
-    path = tmp_path / "controller.yaml"
-    path.write_text(config)
-    log = (tmp_path / "controller.log").open("w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "controlplane.cli.main",
-            "controller",
-            "run",
-            "-c",
-            str(path),
-            "--metrics-port",
-            "0",
-        ],
-        env=env.env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+def controller(env: LlmctlEnv, tmp_path: Path) -> contextlib.AbstractContextManager[Path]:
+    return controller_process(env, tmp_path, _CONFIG)
 
 
 def events(env: LlmctlEnv) -> list[EventRecord]:
@@ -106,7 +63,8 @@ def until(what: str, check: Callable[[], bool], tmp_path: Path, limit: float = 6
     pytest.fail(f"{what} did not happen within {limit:.0f}s; controller log:\n{log}")
 
 
-def test_a_killed_replica_is_restarted_after_the_back_off(env: LlmctlEnv, tmp_path: Path) -> None:
+def test_a_killed_replica_is_restarted_after_the_back_off(llmctl_env: LlmctlEnv, tmp_path: Path) -> None:
+    env = llmctl_env
     env.llmctl("deploy", "sarv-tiny", "--engine", "sim", check=True)
     before = replica(env)
     assert before["state"] == "ready"
@@ -124,7 +82,8 @@ def test_a_killed_replica_is_restarted_after_the_back_off(env: LlmctlEnv, tmp_pa
     assert "crash 1 in" in restarted.message
 
 
-def test_a_crash_loop_is_reported_and_no_longer_restarted(env: LlmctlEnv, tmp_path: Path) -> None:
+def test_a_crash_loop_is_reported_and_no_longer_restarted(llmctl_env: LlmctlEnv, tmp_path: Path) -> None:
+    env = llmctl_env
     # The engine exits at once every time: `deploy --no-wait` leaves it to the launcher and controller.
     env.llmctl(
         "deploy", "sarv-tiny", "--engine", "sim", "--engine-arg", "exit_at_start=3", "--no-wait", check=True

@@ -11,7 +11,7 @@ import asyncio
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Collection, Iterator
+from collections.abc import Collection
 from pathlib import Path
 
 import httpx
@@ -35,10 +35,11 @@ from controlplane.spec import (
     Node,
     Plan,
     ReplicaPlan,
+    ReplicaRecord,
     ReplicaState,
     Shard,
 )
-from controlplane.state import StateStore, open_store
+from controlplane.state import StateStore
 
 
 class CuttableLauncher(LocalLauncher):
@@ -95,19 +96,6 @@ def first_free(
     )
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[StateStore]:
-    s = open_store(f"sqlite:///{tmp_path / 'state.db'}")
-    yield s
-    s.close()
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=1.0, trust_env=False) as c:
-        yield c
-
-
 def make_deployer(
     tmp_path: Path, store: StateStore, nodes: list[str]
 ) -> tuple[Deployer, dict[str, CuttableLauncher]]:
@@ -126,6 +114,21 @@ def make_deployer(
     return deployer, launchers
 
 
+async def deployed_then_cut(
+    deployer: Deployer, launchers: dict[str, CuttableLauncher], store: StateStore, client: httpx.AsyncClient
+) -> tuple[ReplicaRecord, Reconciler]:
+    """Deploy ``m`` (one replica, on n1), let the controller see it ready, then cut n1 off."""
+    deployer.deploy(DeploymentSpec(name="m", model="sarv-tiny", engine=EngineKind.SIM), timeout=60)
+    (old,) = store.list_replicas("m")
+    assert old.node == "n1"
+    config = ControllerConfig(period_s=0.2, probe_timeout_s=0.5, healing=HealingConfig(node_grace_s=1.0))
+    reconciler = Reconciler(store=store, client=client, config=config, deployer=deployer)
+    await reconciler.run_once()
+    launchers["n1"].cut = True
+    os.killpg(int(old.handle["pid"]), signal.SIGSTOP)
+    return old, reconciler
+
+
 async def passes(reconciler: Reconciler, until: str, check: object, limit: int = 80) -> None:
     for _ in range(limit):
         await reconciler.run_once()
@@ -133,12 +136,6 @@ async def passes(reconciler: Reconciler, until: str, check: object, limit: int =
             return
         await asyncio.sleep(0.2)
     pytest.fail(f"{until}: not within {limit} passes")
-
-
-def pid_of(store: StateStore, rid: str) -> int:
-    rec = store.get_replica(rid)
-    assert rec is not None
-    return int(rec.handle["pid"])
 
 
 def group_alive(pid: int) -> bool:
@@ -153,17 +150,9 @@ async def test_replica_of_a_silent_node_moves_and_the_node_comes_back_without_du
     tmp_path: Path, store: StateStore, client: httpx.AsyncClient
 ) -> None:
     deployer, launchers = make_deployer(tmp_path, store, ["n1", "n2"])
-    spec = DeploymentSpec(name="m", model="sarv-tiny", engine=EngineKind.SIM)
-    deployer.deploy(spec, timeout=60)
-    (old,) = store.list_replicas("m")
-    assert old.node == "n1"
-    old_pid = pid_of(store, "m-0")
-    config = ControllerConfig(period_s=0.2, probe_timeout_s=0.5, healing=HealingConfig(node_grace_s=1.0))
-    reconciler = Reconciler(store=store, client=client, config=config, deployer=deployer)
+    old, reconciler = await deployed_then_cut(deployer, launchers, store, client)
+    old_pid = int(old.handle["pid"])
     try:
-        await reconciler.run_once()
-        launchers["n1"].cut = True
-        os.killpg(old_pid, signal.SIGSTOP)
 
         def moved() -> bool:
             rec = store.get_replica("m-0")
@@ -208,15 +197,9 @@ async def test_no_room_elsewhere_leaves_the_replica_pending_with_the_reason(
     tmp_path: Path, store: StateStore, client: httpx.AsyncClient
 ) -> None:
     deployer, launchers = make_deployer(tmp_path, store, ["n1"])
-    deployer.deploy(DeploymentSpec(name="m", model="sarv-tiny", engine=EngineKind.SIM), timeout=60)
-    (old,) = store.list_replicas("m")
-    old_pid = pid_of(store, "m-0")
-    config = ControllerConfig(period_s=0.2, probe_timeout_s=0.5, healing=HealingConfig(node_grace_s=1.0))
-    reconciler = Reconciler(store=store, client=client, config=config, deployer=deployer)
+    old, reconciler = await deployed_then_cut(deployer, launchers, store, client)
+    old_pid = int(old.handle["pid"])
     try:
-        await reconciler.run_once()
-        launchers["n1"].cut = True
-        os.killpg(old_pid, signal.SIGSTOP)
 
         def pending() -> bool:
             rec = store.get_replica("m-0")
