@@ -58,6 +58,7 @@ def _run(config: ControllerConfig, *, once: bool, metrics_host: str, metrics_por
     from controlplane.controller.lease import open_lease
     from controlplane.controller.reconcile import ControllerMetrics, Reconciler, serve_metrics
     from controlplane.errors import SarvError
+    from controlplane.fleet import load_fleet
     from controlplane.settings import load_settings
     from controlplane.state import open_store, redact_url
 
@@ -67,6 +68,11 @@ def _run(config: ControllerConfig, *, once: bool, metrics_host: str, metrics_por
     store = open_store(url, settings)
     lease, close_lease = open_lease(url, settings, ttl_s=config.lease_ttl_s)
     metrics = ControllerMetrics()
+    try:
+        fleet = load_fleet(settings.inventory)
+    except SarvError as exc:  # the controller still probes and heals; only the node series are left out
+        log.warning("fleet not loaded, no sarv_node_* series: %s", exc)
+        fleet = None
     stop_metrics = serve_metrics(metrics, metrics_host, metrics_port) if metrics_port else None
     log.info(
         "controller %s on %s, every %.1fs, targets %s",
@@ -80,7 +86,9 @@ def _run(config: ControllerConfig, *, once: bool, metrics_host: str, metrics_por
         timeout = httpx.Timeout(config.probe_timeout_s)
         # Replicas sit on the fleet's private addresses: never route probes through an HTTP proxy.
         async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
-            reconciler = Reconciler(store=store, client=client, config=config, lease=lease, metrics=metrics)
+            reconciler = Reconciler(
+                store=store, client=client, config=config, lease=lease, metrics=metrics, fleet=fleet
+            )
             try:
                 return await _serve(reconciler, once)
             finally:
