@@ -10,7 +10,13 @@ import typer
 from controlplane.cli import ui
 
 if TYPE_CHECKING:
+    from contextlib import ExitStack
+
+    from controlplane.controller.deploy import Deployer
     from controlplane.controller.reconcile import ControllerConfig, PassReport, Reconciler
+    from controlplane.settings import Settings
+    from controlplane.spec import Fleet
+    from controlplane.state.base import StateStore
 
 __all__ = ["register"]
 
@@ -52,6 +58,33 @@ async def _serve(reconciler: Reconciler, once: bool) -> PassReport | None:
     return None
 
 
+def _open(
+    config: ControllerConfig, settings: Settings, inventory: Path | None, resources: ExitStack
+) -> tuple[StateStore, Deployer | None, Fleet | None]:
+    """The store, the deployer when the controller acts, and the fleet (None: no node series)."""
+    import logging
+
+    from controlplane.cli.runtime import _deployer
+    from controlplane.errors import SarvError
+    from controlplane.fleet import load_fleet
+    from controlplane.state import open_store
+
+    # Acting (scaling, restarts) needs the fleet and the launchers: the deployer `llmctl deploy` uses.
+    if config.act:
+        deployer = resources.enter_context(_deployer(inventory))
+        return deployer.store, deployer, deployer.fleet
+    store = open_store(settings.resolved_state_url, settings)
+    resources.callback(store.close)
+    try:
+        fleet = load_fleet(settings.inventory)
+    except SarvError as exc:  # the controller still probes; only the node series are left out
+        logging.getLogger("controlplane.controller").warning(
+            "fleet not loaded, no sarv_node_* series: %s", exc
+        )
+        return store, None, None
+    return store, None, fleet
+
+
 def _run(
     config: ControllerConfig, *, once: bool, metrics_host: str, metrics_port: int, inventory: Path | None
 ) -> None:
@@ -61,24 +94,17 @@ def _run(
 
     import httpx
 
-    from controlplane.cli.runtime import _deployer
     from controlplane.controller.lease import open_lease
     from controlplane.controller.reconcile import ControllerMetrics, Reconciler, serve_metrics
     from controlplane.errors import SarvError
     from controlplane.settings import load_settings
-    from controlplane.state import open_store, redact_url
+    from controlplane.state import redact_url
 
     log = logging.getLogger("controlplane.controller")
     settings = load_settings(inventory=inventory)
     url = settings.resolved_state_url
     resources = ExitStack()
-    # Acting (scaling, restarts) needs the fleet and the launchers: the deployer `llmctl deploy` uses.
-    deployer = resources.enter_context(_deployer(inventory)) if config.act else None
-    if deployer is not None:
-        store = deployer.store
-    else:
-        store = open_store(url, settings)
-        resources.callback(store.close)
+    store, deployer, fleet = _open(config, settings, inventory, resources)
     lease, close_lease = open_lease(url, settings, ttl_s=config.lease_ttl_s)
     metrics = ControllerMetrics()
     stop_metrics = serve_metrics(metrics, metrics_host, metrics_port) if metrics_port else None
@@ -96,7 +122,13 @@ def _run(
         # Replicas sit on the fleet's private addresses: never route probes through an HTTP proxy.
         async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
             reconciler = Reconciler(
-                store=store, client=client, config=config, lease=lease, metrics=metrics, deployer=deployer
+                store=store,
+                client=client,
+                config=config,
+                lease=lease,
+                metrics=metrics,
+                fleet=fleet,
+                deployer=deployer,
             )
             try:
                 return await _serve(reconciler, once)

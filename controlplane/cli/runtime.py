@@ -30,7 +30,10 @@ from controlplane.spec import (
 if TYPE_CHECKING:
     from controlplane.controller import Deployer, Observation
 
-__all__ = ["register", "status_document"]
+__all__ = ["STATUS_EVENTS", "register", "status_document"]
+
+STATUS_EVENTS = 3
+"""Latest events per deployment that ``llmctl status`` shows."""
 
 
 class StatusFormat(StrEnum):
@@ -176,7 +179,11 @@ def status_document(deployer: Deployer) -> dict[str, Any]:
     # Replicas without a desired deployment (a crashed deploy) are shown, not hidden.
     for name, reps in sorted(by_dep.items()):
         deployments.append({"name": name, "orphaned": True, "replicas": [_replica_doc(r) for r in reps]})
-    return {"deployments": deployments}
+    for doc in deployments:
+        recent = deployer.store.list_events(str(doc["name"]), limit=STATUS_EVENTS)
+        doc["events"] = [e.model_dump(mode="json") for e in recent]
+    cordoned = [n.model_dump(mode="json") for n in deployer.store.list_nodes() if not n.schedulable]
+    return {"deployments": deployments, "cordoned": cordoned}
 
 
 def _replica_doc(o: Observation) -> dict[str, Any]:
@@ -225,7 +232,15 @@ def _status_rows(doc: dict[str, Any], now: float) -> list[list[str]]:
             if probe is not None and not probe["ok"]:
                 state += f" [{probe['path']}: {probe['error']}]"
             rows.append(
-                [d["name"], r["id"], r["node"], gpus, state, r["endpoint"] or "-", _age(r["created_at"], now)]
+                [
+                    d["name"],
+                    r["id"],
+                    r["node"] or "-",
+                    gpus if r["node"] else "-",
+                    state,
+                    r["endpoint"] or "-",
+                    _age(r["created_at"], now),
+                ]
             )
     return rows
 
@@ -343,7 +358,17 @@ def register(app: typer.Typer) -> None:
             from controlplane.cli.audit import audited
 
             with audited(deployer.store, "deploy", spec.name, {"model": str(spec.model)}):
+                fresh = deployer.store.get_deployment(spec.name) is None
                 result = deployer.deploy(spec, wait=wait, timeout=timeout, port=port)
+            if fresh:
+                from controlplane.controller.events import record_event
+
+                record_event(
+                    deployer.store,
+                    "Deployed",
+                    f"{spec.replicas} replica(s) of {spec.model}",
+                    deployment=spec.name,
+                )
         if output is StatusFormat.JSON:
             ui.print_json(result.model_dump(mode="json"))
             return
@@ -371,11 +396,25 @@ def _register_operations(app: typer.Typer) -> None:
         if output is StatusFormat.JSON:
             ui.print_json(doc)
             return
-        rows = _status_rows(doc, time.time())
+        now = time.time()
+        rows = _status_rows(doc, now)
         if not rows:
             ui.out("no deployments")
-            return
-        ui.table(["DEPLOYMENT", "REPLICA", "NODE", "GPUS", "STATE", "ENDPOINT", "AGE"], rows)
+        else:
+            ui.table(["DEPLOYMENT", "REPLICA", "NODE", "GPUS", "STATE", "ENDPOINT", "AGE"], rows)
+        events = [
+            [d["name"], _age(e["at"], now), e["type"], e["reason"], e["object"] or "-", e["message"]]
+            for d in doc["deployments"]
+            for e in d["events"]
+        ]
+        if events:
+            ui.out()
+            ui.table(
+                ["DEPLOYMENT", "AGE", "TYPE", "REASON", "OBJECT", "MESSAGE"], events, title="Recent events"
+            )
+        for node in doc["cordoned"]:
+            why = f" ({node['reason']})" if node["reason"] else ""
+            ui.out(f"node {node['name']}: cordoned{why}, no new replicas")
 
     @app.command()
     def undeploy(
@@ -392,6 +431,11 @@ def _register_operations(app: typer.Typer) -> None:
 
             with audited(deployer.store, "undeploy", name):
                 stopped = deployer.undeploy(name)
+            from controlplane.controller.events import record_event
+
+            record_event(
+                deployer.store, "Undeployed", f"stopped {', '.join(stopped) or 'no replica'}", deployment=name
+            )
         ui.out(f"{name}: undeployed ({len(stopped)} replica{'s' if len(stopped) != 1 else ''} stopped)")
 
     @app.command()

@@ -34,7 +34,7 @@ from controlplane.controller.health import PROBED_STATES, HealthRule, Streak, ju
 from controlplane.engines.metrics import QUEUE_TIME, HistogramSample, parse_histogram, parse_vllm_metrics
 from controlplane.errors import ConfigError, PlacementError, SarvError, describe_validation_error
 from controlplane.launchers.base import ProcessState, ReplicaProcess
-from controlplane.spec import DeploymentRecord, ReplicaRecord, ReplicaState
+from controlplane.spec import DeploymentRecord, Fleet, ReplicaRecord, ReplicaState
 
 if TYPE_CHECKING:
     import httpx
@@ -288,6 +288,8 @@ class Reconciler:
     metrics: ControllerMetrics = field(default_factory=ControllerMetrics)
     api_key: SecretStr | None = None
     """Key the engines require on ``/v1/*``: the ready probe of a loading replica needs it."""
+    fleet: Fleet | None = None
+    """The fleet, for the per-node GPU and schedulable series; None exports none of them."""
     clock: Callable[[], float] = time.time
     """Wall clock for ``updated_at``."""
     monotonic: Callable[[], float] = time.monotonic
@@ -304,6 +306,8 @@ class Reconciler:
     """Replicas moved off a lost node whose process could not be stopped: stopped once it answers."""
     _unplaced: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Deployment → (retry at, last back-off) after a scale-up the planner could not place."""
+    _exported: set[str] = field(default_factory=set)
+    """Deployments whose ``sarv_deployment_replicas`` series this controller has set."""
 
     # --- plumbing
 
@@ -372,6 +376,8 @@ class Reconciler:
             replicas = self._update(replicas, probes, report)
         for state in ReplicaState:
             self.metrics.replicas.labels(state.value).set(sum(1 for r in replicas if r.state is state))
+        with self._phase("state_metrics", report):
+            self._export_state(deployments, replicas)
 
         if not self._still_leader():
             return
@@ -537,6 +543,42 @@ class Reconciler:
             del self._streaks[rid]
         return out
 
+    # --- state series (sarv_deployment_*, sarv_node_*)
+
+    def _export_state(self, deployments: list[DeploymentRecord], replicas: list[ReplicaRecord]) -> None:
+        """Set the deployment and node series from this pass's records; drop the label sets now gone."""
+        m = self.metrics
+        names = {d.name for d in deployments}
+        for gone in self._exported - names:
+            for state in _DEPLOYMENT_STATES:
+                with suppress(KeyError):
+                    m.deployment_replicas.remove(gone, state)
+        self._exported = names
+        m.unplaced.clear()  # reasons come and go with the pending replicas
+        for dep in deployments:
+            mine = [r for r in replicas if r.deployment == dep.name]
+            counts = deployment_counts(dep, mine)
+            for state, value in counts.items():
+                m.deployment_replicas.labels(dep.name, state).set(value)
+            for reason, n in _pending_reasons(mine).items():
+                m.unplaced.labels(dep.name, reason).set(n)
+        if self.fleet is None:
+            return
+        held: dict[tuple[str, int], bool] = {}
+        for rec in replicas:
+            for shard in rec.shards:
+                for index in shard.gpus:
+                    held[(shard.node, index)] = True
+        cordoned = {n.name for n in self.store.list_nodes() if not n.schedulable}
+        for node in self.fleet.nodes:
+            m.node_schedulable.labels(node.name).set(0 if node.name in cordoned else 1)
+            by_type: dict[str, list[int]] = {}
+            for gpu in node.gpus:
+                by_type.setdefault(gpu.model, [0, 0])[0 if (node.name, gpu.index) in held else 1] += 1
+            for gpu_type, (allocated, free) in by_type.items():
+                m.node_gpus.labels(node.name, gpu_type, "allocated").set(allocated)
+                m.node_gpus.labels(node.name, gpu_type, "free").set(free)
+
     # --- autoscale
 
     def _autoscale(
@@ -583,7 +625,6 @@ class Reconciler:
                 self.metrics.current,
                 self.metrics.load,
                 self.metrics.queue_wait,
-                self.metrics.unplaced,
             ):
                 # KeyError: never set (e.g. the load of a deployment that was never measured).
                 with suppress(KeyError):
@@ -664,7 +705,6 @@ class Reconciler:
             )
         else:
             self._unplaced.pop(dep.name, None)
-        self.metrics.unplaced.labels(dep.name, "no_room").set(result.unplaced)
         if not retry_only and result.after != result.before:
             direction = Direction.UP if result.after > result.before else Direction.DOWN
             self.metrics.decisions.labels(dep.name, direction.value).inc()
@@ -986,6 +1026,33 @@ LOST_NODE = "lost"
 _COUNTED = frozenset(
     {ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY, ReplicaState.UNHEALTHY}
 )
+
+
+_DEPLOYMENT_STATES = ("desired", "current", "ready", "loading", "pending")
+
+
+def deployment_counts(dep: DeploymentRecord, replicas: list[ReplicaRecord]) -> dict[str, int]:
+    """``sarv_deployment_replicas`` of one deployment: desired; current (placed and not leaving, loading
+    included); ready; loading (starting); pending (asked for, not placed)."""
+    leaving = {ReplicaState.DRAINING, ReplicaState.STOPPING, ReplicaState.PENDING}
+    return {
+        "desired": dep.spec.replicas,
+        "current": sum(1 for r in replicas if r.state not in leaving),
+        "ready": sum(1 for r in replicas if r.state is ReplicaState.READY),
+        "loading": sum(1 for r in replicas if r.state is ReplicaState.STARTING),
+        "pending": sum(1 for r in replicas if r.state is ReplicaState.PENDING),
+    }
+
+
+def _pending_reasons(replicas: list[ReplicaRecord]) -> dict[str, int]:
+    """Pending replicas by reason: the message's head before ``:`` as a label (``no room`` → ``no_room``)."""
+    out: dict[str, int] = {}
+    for rec in replicas:
+        if rec.state is ReplicaState.PENDING:
+            head = rec.message.partition(":")[0].strip().lower() or "pending"
+            reason = "".join(c if c.isalnum() else "_" for c in head)[:32]
+            out[reason] = out.get(reason, 0) + 1
+    return out
 
 
 def _replica_load(rec: ReplicaRecord, probe: ProbeResult | None) -> ReplicaLoad:

@@ -1,4 +1,5 @@
-"""Changing a running deployment in place: :func:`scale` and :func:`drain_replicas`.
+"""Changing running deployments and nodes in place: :func:`scale`, :func:`drain_replicas`, and
+:func:`cordon`, :func:`uncordon`, :func:`drain_node`.
 
 Scale up places the new replicas around the ones that run (their GPUs taken, their nodes avoided), on the
 schedulable nodes, and launches them on the path ``deploy`` uses; what the planner cannot place is recorded
@@ -6,6 +7,10 @@ as ``pending`` replicas carrying its reason. Scale down removes pending replicas
 unhealthy ones, then the least loaded ready ones (the engines' request gauges), then the youngest, and
 drains each before it stops: the gateway routes no new request to a ``draining`` replica, and the replica
 is stopped once its engine reports no running or waiting request, or at the drain timeout.
+
+A cordoned node (its :class:`~controlplane.state.base.NodeRecord` unschedulable) is left out of every new
+placement; draining a node cordons it, starts a replacement elsewhere for each of its replicas first, then
+drains and stops them.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from controlplane.spec import (
     ReplicaRecord,
     ReplicaState,
 )
+from controlplane.state.base import NodeRecord
 
 if TYPE_CHECKING:
     from controlplane.controller.reconcile import ControllerMetrics
@@ -34,11 +40,15 @@ __all__ = [
     "DEFAULT_DRAIN_TIMEOUT_S",
     "DRAIN_SETTLE_S",
     "DrainOutcome",
+    "NodeDrainResult",
     "ScaleResult",
+    "cordon",
+    "drain_node",
     "drain_replicas",
     "raise_unplaced",
     "replica_ongoing",
     "scale",
+    "uncordon",
 ]
 
 logger = logging.getLogger(__name__)
@@ -217,30 +227,57 @@ def _grow(
     wait: bool,
     timeout: float,
 ) -> ScaleResult:
+    added, unplaced, why = _add_replicas(
+        deployer, record, spec, placed, pending, count=spec.replicas - len(placed), wait=wait, timeout=timeout
+    )
+    return ScaleResult(
+        deployment=spec.name,
+        before=record.spec.replicas,
+        after=spec.replicas,
+        added=added,
+        unplaced=unplaced,
+        reason=why,
+    )
+
+
+def _add_replicas(
+    deployer: Deployer,
+    record: DeploymentRecord,
+    spec: DeploymentSpec,
+    stay: list[ReplicaRecord],
+    pending: list[ReplicaRecord],
+    *,
+    count: int,
+    wait: bool,
+    timeout: float,
+) -> tuple[list[str], int, str]:
+    """Place ``count`` replicas around ``stay`` (anti-affinity), record ``spec`` as desired, launch what
+    was placed and record the rest as pending (replacing ``pending``). Returns (started ids, unplaced,
+    the planner's reason)."""
     store, name = deployer.store, spec.name
     model = deployer.catalog.get(spec.model)
-    want = spec.replicas - len(placed)
-    more = deployer.place_around(spec, model, want, placed)
-    got = more.replicas[:want]
+    more = deployer.place_around(spec, model, count, stay)
+    got = more.replicas[:count]
     dropped = {r.id for r in pending}
     # Draining replicas keep their ids until they stop: new ones take indices nobody holds.
     used = [r.index for r in store.list_replicas(name) if r.id not in dropped]
-    free = _free_indices(used, want)
+    free = _free_indices(used, count)
     slots = list(record.plan.replicas)
     for index, rp in zip(free, got, strict=False):
         _set_slot(slots, index, rp)
-    unplaced = want - len(got)
+    unplaced = count - len(got)
     why = deployer.no_room_reason(more) if unplaced else ""
     now = deployer.clock()
     plan = record.plan.model_copy(
         update={"replicas": slots, "unplaced": unplaced, "reasons": list(more.reasons) if unplaced else []}
     )
     desired = record.model_copy(update={"spec": spec, "plan": plan, "updated_at": now})
-    todo = free[: len(got)]
     for rec in pending:
         store.delete_replica(rec.id)
     try:
-        started = deployer.launch(desired, model, todo, previous=record, wait=wait, timeout=timeout)
+        started = deployer.launch(
+            desired, model, free[: len(got)], previous=record, wait=wait, timeout=timeout
+        )
     except BaseException:
         for rec in pending:  # the launch was rolled back: the pending replicas wait as before
             store.put_replica(rec)
@@ -260,15 +297,7 @@ def _grow(
                 updated_at=now,
             )
         )
-    added = [r.id for r in started]
-    return ScaleResult(
-        deployment=name,
-        before=record.spec.replicas,
-        after=spec.replicas,
-        added=added,
-        unplaced=unplaced,
-        reason=why,
-    )
+    return [r.id for r in started], unplaced, why
 
 
 def _removal_order(members: list[ReplicaRecord]) -> list[ReplicaRecord]:
@@ -433,3 +462,147 @@ def _events(
             metrics=metrics,
             clock=deployer.clock,
         )
+
+
+# --- nodes: cordon, uncordon, drain
+
+
+class NodeDrainResult(BaseModel):
+    """What :func:`drain_node` did."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    node: str
+    replaced: dict[str, list[str]] = Field(default_factory=dict)
+    """Per deployment, the replicas started elsewhere before the node's were drained."""
+    drained: list[DrainOutcome] = Field(default_factory=list)
+    unplaced: int = Field(default=0, ge=0)
+    """Replacements the planner could not place (recorded as pending)."""
+    reason: str = ""
+
+
+def _known_node(deployer: Deployer, node: str) -> None:
+    try:
+        deployer.fleet.node(node)
+    except KeyError:
+        known = ", ".join(n.name for n in deployer.fleet.nodes) or "none"
+        raise NotFoundError(f"no node named {node!r} in the fleet (nodes: {known})") from None
+
+
+def cordon(deployer: Deployer, node: str, *, reason: str = "", source: str = "llmctl") -> bool:
+    """Mark ``node`` unschedulable (no new placements; its replicas keep running); False if it already was."""
+    _known_node(deployer, node)
+    current = deployer.store.get_node(node)
+    if current is not None and not current.schedulable:
+        return False
+    deployer.store.put_node(
+        NodeRecord(name=node, schedulable=False, reason=reason, updated_at=deployer.clock())
+    )
+    why = f": {reason}" if reason else ""
+    record_event(
+        deployer.store,
+        "Cordoned",
+        f"no new replicas on {node}{why}",
+        object=f"node/{node}",
+        source=source,
+        clock=deployer.clock,
+    )
+    return True
+
+
+def uncordon(deployer: Deployer, node: str, *, source: str = "llmctl") -> bool:
+    """Make ``node`` schedulable again; False if it already was."""
+    _known_node(deployer, node)
+    current = deployer.store.get_node(node)
+    if current is None or current.schedulable:
+        return False
+    deployer.store.put_node(NodeRecord(name=node, schedulable=True, updated_at=deployer.clock()))
+    record_event(
+        deployer.store,
+        "Uncordoned",
+        f"{node} takes new replicas again",
+        object=f"node/{node}",
+        source=source,
+        clock=deployer.clock,
+    )
+    return True
+
+
+def drain_node(
+    deployer: Deployer,
+    node: str,
+    *,
+    timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
+    start_timeout: float = 600.0,
+    source: str = "llmctl",
+) -> NodeDrainResult:
+    """Cordon ``node``, start a replacement elsewhere for each of its replicas (placed like a scale up),
+    then drain the node's replicas (no new requests; in-flight ones finish up to ``timeout``) and stop
+    them. Replacements that do not fit are recorded as pending and the drain goes on: the node is being
+    emptied either way; ``unplaced`` says so."""
+    _known_node(deployer, node)
+    store = deployer.store
+    on_node = [
+        r
+        for r in store.list_replicas()
+        if r.state not in LEAVING_STATES
+        and r.state is not ReplicaState.PENDING
+        and (r.node == node or any(s.node == node for s in r.shards))
+    ]
+    deployer.check_reach(on_node, "drain")
+    cordon(deployer, node, reason="drain", source=source)
+    result = NodeDrainResult(node=node)
+    reasons: list[str] = []
+    for name in sorted({r.deployment for r in on_node}):
+        victims = [r for r in on_node if r.deployment == name]
+        record = store.get_deployment(name)
+        if record is None:
+            continue  # replicas without a desired deployment are drained, not replaced
+        ids = {r.id for r in victims}
+        stay = [
+            r
+            for r in store.list_replicas(name)
+            if r.id not in ids and r.state not in LEAVING_STATES and r.state is not ReplicaState.PENDING
+        ]
+        added, unplaced, why = _add_replicas(
+            deployer, record, record.spec, stay, [], count=len(victims), wait=True, timeout=start_timeout
+        )
+        result.replaced[name] = added
+        if added:
+            record_event(
+                store,
+                "Replaced",
+                f"started {', '.join(added)} elsewhere to replace {', '.join(sorted(ids))} (drain of {node})",
+                deployment=name,
+                source=source,
+                clock=deployer.clock,
+            )
+        if unplaced:
+            result.unplaced += unplaced
+            reasons.append(why)
+            record_event(
+                store,
+                "NoRoom",
+                f"{unplaced} replacement(s) for {node}'s replicas pending: {why}",
+                type="Warning",
+                deployment=name,
+                source=source,
+                clock=deployer.clock,
+            )
+    result.reason = "; ".join(dict.fromkeys(reasons))
+    result.drained = drain_replicas(
+        deployer, on_node, timeout=timeout, reason=f"drain of {node}", source=source
+    )
+    late = sum(1 for o in result.drained if o.timed_out)
+    record_event(
+        store,
+        "Drained",
+        f"{node} drained: {len(result.drained)} replica(s) stopped"
+        + (f", {late} at the {timeout:.0f}s timeout" if late else "")
+        + (f", {result.unplaced} replacement(s) pending" if result.unplaced else ""),
+        type="Warning" if late or result.unplaced else "Normal",
+        object=f"node/{node}",
+        source=source,
+        clock=deployer.clock,
+    )
+    return result

@@ -43,7 +43,7 @@ def _deployments(e: LlmctlEnv) -> list[str]:
 
 
 def _assert_nothing_left(e: LlmctlEnv) -> None:
-    assert e.status() == {"deployments": []}
+    assert e.status()["deployments"] == []
     replicas = e.home / "replicas"
     for log in replicas.glob("*/replica.log") if replicas.is_dir() else []:
         pid_lines = [ln for ln in log.read_text().splitlines() if ln.startswith("=== sarv:")]

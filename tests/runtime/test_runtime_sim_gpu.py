@@ -116,7 +116,7 @@ def test_llmctl_deploy_reports_the_stand_ins_refusal_and_rolls_back(
     assert out.returncode == 6, out.stderr
     assert "exited with code 1 during start-up" in out.stderr
     assert reason in out.stderr
-    assert gpu_host.status() == {"deployments": []}
+    assert gpu_host.status()["deployments"] == []
 
 
 def test_llmctl_deploy_gives_the_stand_in_the_plan_and_the_gpus(gpu_host: LlmctlEnv) -> None:
