@@ -50,9 +50,9 @@ def test_vllm_container_argv_is_exact_and_hardened() -> None:
         "--security-opt", "no-new-privileges:true",
         "--security-opt", "label=type:container_t",
         "--restart", "on-failure:5",
-        "--shm-size", "16g",
         "--pids-limit", "4096",
         "--log-opt", "max-size=100m", "--log-opt", "max-file=3",
+        "--shm-size", "16g",
         "--volume", "/srv/models/llama-70b/abcd:/models/llama-70b:ro,z",
         "--publish", "10.0.0.5:8101:8000",
         "--env", "HF_HUB_OFFLINE=1", "--env", "VLLM_NO_USAGE_STATS=1", "--env", "DO_NOT_TRACK=1",
@@ -67,13 +67,13 @@ def test_vllm_container_argv_is_exact_and_hardened() -> None:
     assert launch.container_name == "sarv-llama-0"
 
 
-def test_vllm_api_key_travels_in_the_env_file_never_in_argv() -> None:
+def test_vllm_api_key_travels_by_name_never_in_argv() -> None:
     ctx = _ctx(tp=2).model_copy(update={"api_key": SecretStr("sk-secret-123")})
     launch = VllmEngine(image="img:1").build(ctx)
     assert not any("sk-secret-123" in a for a in launch.argv)
     assert "--api-key" not in launch.argv
-    i = launch.argv.index("--env-file")
-    assert launch.argv[i + 1] == "/run/sarv/llama-0.env"
+    i = launch.argv.index("VLLM_API_KEY")
+    assert launch.argv[i - 1] == "--env" and launch.argv.index(launch.container_name or "") < i
     assert launch.secret_env["VLLM_API_KEY"].get_secret_value() == "sk-secret-123"
     assert "sk-secret-123" not in repr(launch)
 
@@ -130,11 +130,11 @@ def test_bad_engine_options_are_user_errors(args: dict[str, str | int], needle: 
         check_engine_args(DeploymentSpec(name="x", model="m", engine_args=args))
 
 
-def test_vllm_refuses_a_replica_spanning_nodes() -> None:
+def test_vllm_refuses_a_multi_node_replica_whose_shards_miss_gpus() -> None:
     ctx = _ctx(tp=1, pp=2).model_copy(
-        update={"shards": [Shard(node="a", gpus=[0], pp_rank=0), Shard(node="b", gpus=[0], pp_rank=1)]}
+        update={"shards": [Shard(node="a", gpus=[0], pp_rank=0), Shard(node="b", gpus=[], pp_rank=1)]}
     )
-    with pytest.raises(LaunchError, match="spans nodes a, b"):
+    with pytest.raises(LaunchError, match="1 GPUs planned for tp×pp = 2 over nodes a, b"):
         VllmEngine(image="i").build(ctx)
 
 
