@@ -106,15 +106,6 @@ def register(app: typer.Typer) -> None:
                 for change in changes:
                     if change.action is not Action.UNCHANGED:
                         deployer.deploy(change.spec, timeout=timeout)
-                    if change.action is Action.CREATE:
-                        from controlplane.controller.events import record_event
-
-                        record_event(
-                            deployer.store,
-                            "Deployed",
-                            f"created from {file.name} with {change.spec.replicas} replica(s)",
-                            deployment=change.name,
-                        )
         if output is StatusFormat.JSON:
             ui.print_json([_change_doc(c) for c in changes])
             return
@@ -133,12 +124,7 @@ def _register_nodes(app: typer.Typer) -> None:
         inventory: InventoryOpt = None,
     ) -> None:
         """Place no new replicas on NODE; those it runs keep running."""
-        from controlplane.cli.audit import audited
-        from controlplane.controller.scaling import cordon as cordon_node
-
-        with _deployer(inventory) as deployer, audited(deployer.store, "cordon", node):
-            changed = cordon_node(deployer, node)
-        ui.out(f"{node}: cordoned" if changed else f"{node}: already cordoned")
+        _schedulable(node, inventory, schedulable=False)
 
     @app.command()
     def uncordon(
@@ -146,12 +132,7 @@ def _register_nodes(app: typer.Typer) -> None:
         inventory: InventoryOpt = None,
     ) -> None:
         """Let NODE take new replicas again."""
-        from controlplane.cli.audit import audited
-        from controlplane.controller.scaling import uncordon as uncordon_node
-
-        with _deployer(inventory) as deployer, audited(deployer.store, "uncordon", node):
-            changed = uncordon_node(deployer, node)
-        ui.out(f"{node}: uncordoned" if changed else f"{node}: already schedulable")
+        _schedulable(node, inventory, schedulable=True)
 
     @app.command()
     def drain(
@@ -212,6 +193,19 @@ def _register_nodes(app: typer.Typer) -> None:
             ui.out("no events" + (f" for {name}" if name else ""))
             return
         ui.table(["AGE", "TYPE", "REASON", "OBJECT", "MESSAGE"], event_rows(found, now))
+
+
+def _schedulable(node: str, inventory: Path | None, *, schedulable: bool) -> None:
+    from controlplane.cli.audit import audited
+    from controlplane.controller.scaling import cordon, uncordon
+
+    action = "uncordon" if schedulable else "cordon"
+    with _deployer(inventory) as deployer, audited(deployer.store, action, node):
+        changed = uncordon(deployer, node) if schedulable else cordon(deployer, node)
+    if changed:
+        ui.out(f"{node}: {action}ed")
+    else:
+        ui.out(f"{node}: already {'schedulable' if schedulable else 'cordoned'}")
 
 
 def _change_doc(change: Change) -> dict[str, Any]:

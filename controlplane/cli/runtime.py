@@ -29,8 +29,11 @@ from controlplane.spec import (
 
 if TYPE_CHECKING:
     from controlplane.controller import Deployer, Observation
+    from controlplane.settings import Settings
+    from controlplane.spec import Fleet
+    from controlplane.state.base import StateStore
 
-__all__ = ["STATUS_EVENTS", "register", "status_document"]
+__all__ = ["STATUS_EVENTS", "register", "status_document", "wire_deployer"]
 
 STATUS_EVENTS = 3
 """Latest events per deployment that ``llmctl status`` shows."""
@@ -107,40 +110,44 @@ def _sources(values: list[str]) -> tuple[str | None, dict[Quantization, str]]:
     return plain, variants
 
 
+def wire_deployer(settings: Settings, store: StateStore, fleet: Fleet, *, progress: Any = None) -> Deployer:
+    """A Deployer on ``store`` and ``fleet``: the catalog, placement and launchers the settings name."""
+    from controlplane.catalog import Catalog
+    from controlplane.controller import Deployer, default_engines
+    from controlplane.launchers import group_launcher_for, is_local_node, launcher_for
+    from controlplane.placement import place
+
+    return Deployer(
+        settings=settings,
+        store=store,
+        fleet=fleet,
+        catalog=Catalog.load(settings.catalog),
+        # The placement `llmctl plan` prints, told which node is this host and its core count.
+        planner=functools.partial(place, is_local=is_local_node, local_cpus=os.cpu_count()),
+        launcher_factory=lambda node: launcher_for(
+            node, settings.home, settings.resolved_model_cache, settings=settings
+        ),
+        # Replicas whose pipeline stages span nodes: a Ray cluster over SSH (launchers/ray.py).
+        group_launcher_factory=lambda nodes: group_launcher_for(
+            nodes, settings.resolved_model_cache, settings
+        ),
+        engines=default_engines(settings),
+        progress=progress,
+        python=sys.executable,
+    )
+
+
 @contextmanager
 def _deployer(inventory: Path | None, *, progress: Any = None) -> Iterator[Deployer]:
     """A Deployer wired from the settings: state store, fleet, catalog, placement and launchers."""
-    from controlplane.catalog import Catalog
-    from controlplane.controller import Deployer, default_engines
     from controlplane.fleet import load_fleet
-    from controlplane.launchers import group_launcher_for, is_local_node, launcher_for
-    from controlplane.placement import place
     from controlplane.settings import load_settings
     from controlplane.state import open_store
 
     settings = load_settings(inventory=inventory)
     store = open_store(settings.resolved_state_url, settings)
     try:
-        fleet = load_fleet(settings.inventory)
-        deployer = Deployer(
-            settings=settings,
-            store=store,
-            fleet=fleet,
-            catalog=Catalog.load(settings.catalog),
-            # The placement `llmctl plan` prints, told which node is this host and its core count.
-            planner=functools.partial(place, is_local=is_local_node, local_cpus=os.cpu_count()),
-            launcher_factory=lambda node: launcher_for(
-                node, settings.home, settings.resolved_model_cache, settings=settings
-            ),
-            # Replicas whose pipeline stages span nodes: a Ray cluster over SSH (launchers/ray.py).
-            group_launcher_factory=lambda nodes: group_launcher_for(
-                nodes, settings.resolved_model_cache, settings
-            ),
-            engines=default_engines(settings),
-            progress=progress,
-            python=sys.executable,
-        )
-        yield deployer
+        yield wire_deployer(settings, store, load_fleet(settings.inventory), progress=progress)
     finally:
         store.close()
 
@@ -358,17 +365,7 @@ def register(app: typer.Typer) -> None:
             from controlplane.cli.audit import audited
 
             with audited(deployer.store, "deploy", spec.name, {"model": str(spec.model)}):
-                fresh = deployer.store.get_deployment(spec.name) is None
                 result = deployer.deploy(spec, wait=wait, timeout=timeout, port=port)
-            if fresh:
-                from controlplane.controller.events import record_event
-
-                record_event(
-                    deployer.store,
-                    "Deployed",
-                    f"{spec.replicas} replica(s) of {spec.model}",
-                    deployment=spec.name,
-                )
         if output is StatusFormat.JSON:
             ui.print_json(result.model_dump(mode="json"))
             return
@@ -431,11 +428,6 @@ def _register_operations(app: typer.Typer) -> None:
 
             with audited(deployer.store, "undeploy", name):
                 stopped = deployer.undeploy(name)
-            from controlplane.controller.events import record_event
-
-            record_event(
-                deployer.store, "Undeployed", f"stopped {', '.join(stopped) or 'no replica'}", deployment=name
-            )
         ui.out(f"{name}: undeployed ({len(stopped)} replica{'s' if len(stopped) != 1 else ''} stopped)")
 
     @app.command()

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from controlplane.catalog import checkpoint_format
 from controlplane.catalog.compat import CompatTable, Generation, load_compat
+from controlplane.controller.events import record_event
 from controlplane.controller.health import PROBED_STATES, HealthRule, judge, probe_path
 from controlplane.engines.base import Engine, ReplicaContext, check_engine_args
 from controlplane.errors import LaunchError, NotFoundError, PlacementError, SarvError, UserError, WeightsError
@@ -451,6 +452,14 @@ class Deployer:
         )
         if short > 0:
             return self._scale_from_deploy(spec, wait=wait, timeout=timeout)
+        if previous is None:
+            record_event(
+                self.store,
+                "Deployed",
+                f"{spec.replicas} replica(s) of {model.name} (tp={spec.tp}, {spec.engine.value})",
+                deployment=spec.name,
+                clock=self.clock,
+            )
         replicas = self.store.list_replicas(spec.name)
         return DeployResult(deployment=spec.name, changed=True, replicas=replicas, notes=list(plan.notes))
 
@@ -839,6 +848,13 @@ class Deployer:
             self.stop_replica(rec)
             stopped.append(rec.id)
         self.store.delete_deployment(name)
+        record_event(
+            self.store,
+            "Undeployed",
+            f"stopped {', '.join(stopped) or 'no replica'}",
+            deployment=name,
+            clock=self.clock,
+        )
         return stopped
 
     def logs(self, replica_id: str, *, follow: bool = False, tail: int = 200) -> Iterator[str]:

@@ -427,41 +427,32 @@ def _events(
     source: str,
     metrics: ControllerMetrics | None,
 ) -> None:
-    store, name = deployer.store, result.deployment
     why = f": {reason}" if reason else ""
-    if result.added or (result.after > result.before and not result.removed):
+
+    def event(kind: str, message: str, *, warning: bool = False) -> None:
         record_event(
-            store,
-            "Scaled",
-            f"scaled up from {result.before} to {result.after} replicas{why}"
-            + (f" (started {', '.join(result.added)})" if result.added else ""),
-            deployment=name,
+            deployer.store,
+            kind,
+            message,
+            deployment=result.deployment,
+            type="Warning" if warning else "Normal",
             source=source,
             metrics=metrics,
             clock=deployer.clock,
+        )
+
+    span = f"from {result.before} to {result.after} replicas{why}"
+    if result.added or (result.after > result.before and not result.removed):
+        event(
+            "Scaled", f"scaled up {span}" + (f" (started {', '.join(result.added)})" if result.added else "")
         )
     if result.removed or result.after < result.before:
-        record_event(
-            store,
+        event(
             "ScaledDown",
-            f"scaled down from {result.before} to {result.after} replicas{why}"
-            + (f" (removed {', '.join(result.removed)})" if result.removed else ""),
-            deployment=name,
-            source=source,
-            metrics=metrics,
-            clock=deployer.clock,
+            f"scaled down {span}" + (f" (removed {', '.join(result.removed)})" if result.removed else ""),
         )
     if result.unplaced:
-        record_event(
-            store,
-            "NoRoom",
-            f"{result.unplaced} replica(s) pending: {result.reason}",
-            type="Warning",
-            deployment=name,
-            source=source,
-            metrics=metrics,
-            clock=deployer.clock,
-        )
+        event("NoRoom", f"{result.unplaced} replica(s) pending: {result.reason}", warning=True)
 
 
 # --- nodes: cordon, uncordon, drain
@@ -491,36 +482,32 @@ def _known_node(deployer: Deployer, node: str) -> None:
 
 def cordon(deployer: Deployer, node: str, *, reason: str = "", source: str = "llmctl") -> bool:
     """Mark ``node`` unschedulable (no new placements; its replicas keep running); False if it already was."""
-    _known_node(deployer, node)
-    current = deployer.store.get_node(node)
-    if current is not None and not current.schedulable:
-        return False
-    deployer.store.put_node(
-        NodeRecord(name=node, schedulable=False, reason=reason, updated_at=deployer.clock())
-    )
     why = f": {reason}" if reason else ""
-    record_event(
-        deployer.store,
-        "Cordoned",
-        f"no new replicas on {node}{why}",
-        object=f"node/{node}",
-        source=source,
-        clock=deployer.clock,
+    return _set_schedulable(
+        deployer, node, False, reason=reason, message=f"no new replicas on {node}{why}", source=source
     )
-    return True
 
 
 def uncordon(deployer: Deployer, node: str, *, source: str = "llmctl") -> bool:
     """Make ``node`` schedulable again; False if it already was."""
+    return _set_schedulable(
+        deployer, node, True, reason="", message=f"{node} takes new replicas again", source=source
+    )
+
+
+def _set_schedulable(
+    deployer: Deployer, node: str, schedulable: bool, *, reason: str, message: str, source: str
+) -> bool:
     _known_node(deployer, node)
     current = deployer.store.get_node(node)
-    if current is None or current.schedulable:
+    if (current.schedulable if current is not None else True) is schedulable:
         return False
-    deployer.store.put_node(NodeRecord(name=node, schedulable=True, updated_at=deployer.clock()))
+    record = NodeRecord(name=node, schedulable=schedulable, reason=reason, updated_at=deployer.clock())
+    deployer.store.put_node(record)
     record_event(
         deployer.store,
-        "Uncordoned",
-        f"{node} takes new replicas again",
+        "Uncordoned" if schedulable else "Cordoned",
+        message,
         object=f"node/{node}",
         source=source,
         clock=deployer.clock,

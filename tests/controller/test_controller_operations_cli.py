@@ -3,13 +3,13 @@ subprocesses, sim replicas on a declared two-node GPU fleet of this host, SQLite
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fixtures.vllm import LlmctlEnv, kill_groups
+from fixtures.fleets import gpu_fleet, llmctl_on_fleet
+from fixtures.vllm import LlmctlEnv
 
 _FILE = """\
 name: web
@@ -25,19 +25,8 @@ replicas: {replicas}
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[LlmctlEnv]:
-    gpus = [{"index": i, "model": "A100-SXM4-80GB", "memory_total_mib": 81920} for i in range(2)]
-    nodes = [{"name": n, "address": "127.0.0.1", "gpus": gpus} for n in ("gpu-a", "gpu-b")]
-    fleet = tmp_path / "fleet.json"
-    fleet.write_text(json.dumps({"version": 1, "nodes": nodes}))
-    e = LlmctlEnv.create(tmp_path / "home")
-    e.env["SARV_INVENTORY"] = str(fleet)
-    yield e
-    pids: list[int] = []
-    with contextlib.suppress(AssertionError, ValueError):
-        pids = e.replica_pids()
-        for d in e.status()["deployments"]:
-            e.llmctl("undeploy", d["name"], "--yes", timeout=60)
-    assert not kill_groups(pids)
+    with llmctl_on_fleet(tmp_path, gpu_fleet(nodes=2, gpus=2)) as e:
+        yield e
 
 
 def _write(tmp_path: Path, replicas: int) -> Path:

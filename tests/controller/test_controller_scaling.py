@@ -37,7 +37,7 @@ def test_scale_up_places_new_replicas_on_other_nodes_and_down_removes_them(sim_d
     assert down.removed == ["web-2"], "all idle and healthy: the youngest goes"
     assert sorted(r.id for r in d.store.list_replicas("web")) == ["web-0", "web-1"]
     reasons = [e.reason for e in d.store.list_events("web")]
-    assert reasons == ["Scaled", "Drained", "Stopped", "ScaledDown"]
+    assert reasons == ["Deployed", "Scaled", "Drained", "Stopped", "ScaledDown"]
 
 
 def test_scale_down_removes_the_unhealthy_replica_first(sim_deployer) -> None:
