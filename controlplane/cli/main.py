@@ -17,6 +17,7 @@ from controlplane.cli import (
     gateway,
     infra,
     keys,
+    operations,
     planning,
     runtime,
     teams,
@@ -51,7 +52,8 @@ def build_app() -> typer.Typer:
     ) -> None:
         """Sarv's control plane."""
 
-    for module in (fleet, planning, runtime, keys, teams, audit, gateway, infra, controller, bundle):
+    modules = (fleet, planning, runtime, operations, keys, teams, audit, gateway, infra, controller, bundle)
+    for module in modules:
         module.register(app)
     return app
 
