@@ -9,7 +9,20 @@ import typer
 from pydantic import ValidationError
 
 from controlplane import __version__
-from controlplane.cli import audit, controller, fleet, gateway, infra, keys, planning, runtime, teams, ui
+from controlplane.cli import (
+    audit,
+    bundle,
+    controller,
+    fleet,
+    gateway,
+    infra,
+    keys,
+    operations,
+    planning,
+    runtime,
+    teams,
+    ui,
+)
 from controlplane.errors import SarvError, describe_validation_error
 
 __all__ = ["build_app", "main"]
@@ -39,7 +52,8 @@ def build_app() -> typer.Typer:
     ) -> None:
         """Sarv's control plane."""
 
-    for module in (fleet, planning, runtime, keys, teams, audit, gateway, infra, controller):
+    modules = (fleet, planning, runtime, operations, keys, teams, audit, gateway, infra, controller, bundle)
+    for module in modules:
         module.register(app)
     return app
 

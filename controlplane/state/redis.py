@@ -15,7 +15,7 @@ from pydantic import BaseModel, SecretStr, ValidationError
 
 from controlplane.errors import ConfigError, StateError
 from controlplane.spec import DeploymentRecord, ReplicaRecord
-from controlplane.state.base import ApiKeyRecord, AuditEntry, EventRecord, TeamRecord
+from controlplane.state.base import ApiKeyRecord, AuditEntry, EventRecord, NodeRecord, TeamRecord
 from controlplane.state.clients import RedisEndpoint, redis_error, sync_client
 
 if TYPE_CHECKING:
@@ -83,6 +83,7 @@ class RedisStore:
         self._engine_keys = tag + "engine-keys"
         self._revision = tag + "revision"
         self._teams = tag + "teams"
+        self._nodes = tag + "nodes"
         self._audit = tag + "audit"
         self._events = tag + "events"
         self._lock = threading.Lock()
@@ -188,6 +189,17 @@ class RedisStore:
 
     def delete_engine_key(self, deployment: str) -> bool:
         return bool(self._script("delete", [self._engine_keys, self._revision], [deployment]))
+
+    # --- nodes
+
+    def put_node(self, record: NodeRecord) -> None:
+        self._script("put", [self._nodes, self._revision], [record.name, record.model_dump_json()])
+
+    def get_node(self, name: str) -> NodeRecord | None:
+        return self._get(NodeRecord, self._nodes, name)
+
+    def list_nodes(self) -> list[NodeRecord]:
+        return [r for _, r in self._values(NodeRecord, self._nodes)]
 
     # --- teams
 
