@@ -8,7 +8,10 @@ import stat
 from pathlib import Path
 
 import httpx
+from fixtures.controller import llmctl_env
 from fixtures.vllm import LlmctlEnv
+
+__all__ = ["llmctl_env"]  # the fixture, used by name
 
 _CHAT = {"model": "sarv-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
