@@ -16,9 +16,9 @@ from collections.abc import Callable
 import aiohttp
 from pydantic import BaseModel
 
-from controlplane.gateway.admission import Admission
+from controlplane.gateway.admission import Admission, ratelimit_headers
 from controlplane.gateway.asgi import Receive, Scope, Send, respond, respond_error
-from controlplane.gateway.auth import KeyCache
+from controlplane.gateway.auth import KeyCache, TeamCache
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.discovery import Discovery
 from controlplane.gateway.errors import ApiError
@@ -29,6 +29,7 @@ from controlplane.gateway.requests import ENDPOINTS, RequestChecks, prompt_parts
 from controlplane.gateway.routing import Router
 from controlplane.gateway.schemas import ModelCard, ModelList, openapi_document
 from controlplane.gateway.upstream import Job, Upstream, trace_headers
+from controlplane.gateway.usage import AccessLog, UsageRecorder
 from controlplane.state.base import ApiKeyRecord, StateStore
 
 # A raw ASGI callable rather than a framework: the hot path is one dict lookup per stage and the body bytes
@@ -65,9 +66,14 @@ class GatewayApp:
         self.keys = KeyCache(
             store, ttl=self.config.key_cache_ttl_s, size=self.config.key_cache_size, monotonic=monotonic
         )
+        teams = TeamCache(
+            store, ttl=self.config.key_cache_ttl_s, size=self.config.key_cache_size, monotonic=monotonic
+        )
         self.admission = Admission(
             self.config.limits,
             keys=self.keys,
+            teams=teams,
+            organisation=self.config.organisation,
             limiter=self.limiter,
             router=self.router,
             metrics=self.metrics,
@@ -83,6 +89,8 @@ class GatewayApp:
         )
         self.guardrails = Guardrails(self.config.guardrails, self.upstream.ask, metrics=self.metrics)
         self.upstream.output_filter = self.guardrails.output_filter
+        self.usage = UsageRecorder(store, self.config, metrics=self.metrics, clock=clock)
+        self.access_log = AccessLog(self.config.access_log) if self.config.access_log.enabled else None
         self._mono = monotonic
         self._session = session
         self._own_session = session is None
@@ -111,6 +119,9 @@ class GatewayApp:
         await self._discovery.refresh()
         self._discovery.start(r.discovery_interval_s, r.scrape_interval_s)
         self._openapi = json.dumps(openapi_document()).encode()
+        self.usage.start()
+        if self.access_log is not None:
+            self.access_log.start()
         if self._tune_gc:
             _freeze_heap()
         self._started = True
@@ -123,6 +134,9 @@ class GatewayApp:
             self._session = None
         self.upstream.session = self._session
         await self.limiter.close()
+        await self.usage.close()
+        if self.access_log is not None:
+            await self.access_log.close()
         self._started = False
 
     # --- ASGI
@@ -234,18 +248,24 @@ class GatewayApp:
         job.request_id, job.headers = trace_headers(scope)
         status = 500
         checks = self.requests
+        known = False
         try:
             record = await self.admission.authenticate(scope)
             job.key = record.name
+            job.team = record.team or ""
+            known = True
+            levels = await self.admission.levels(record)
             body = await checks.read_body(scope, receive)
             req = checks.parse(schema, body)
-            job.model = checks.resolve_model(record, req)
+            job.model = checks.resolve_model(levels, req)
             checks.check_caps(req)
             parts = prompt_parts(req)  # once: the count, the prefix hashes and the guardrails share it
             job.info = await checks.measure(job.model, parts)
-            job.reserve = checks.check_lengths(record, req, job.model, job.info)
+            job.reserve = checks.check_lengths(levels, req, job.model, job.info)
             job.usage[0] = job.info.tokens
-            job.reservation = await self.admission.rate_limit(record, job.reserve)
+            admitted = await self.admission.rate_limit(levels, job.team, job.reserve)
+            job.reservations = admitted.reservations
+            job.reply_headers = ratelimit_headers(admitted)
             if self.guardrails.active:
                 body = await self.guardrails.screen_input(job.model, req, parts[0], body)
             job.body = body
@@ -257,14 +277,19 @@ class GatewayApp:
                 self.metrics.validation_rejections.labels(exc.reason).inc()
             await respond_error(send, exc, [(b"x-request-id", job.request_id.encode())])
         finally:
-            if job.reservation is not None:
-                # Refused or failed after admission: give back what it did not use.
-                await self.limiter.settle(
-                    job.reservation, job.usage[0] + job.usage[1] if job.forwarded else 0
-                )
+            if job.reservations:
+                # Settled with the real usage; refused or failed after admission: what it did not use.
+                used = job.usage[0] + job.usage[1] if job.forwarded else 0
+                for reservation in job.reservations:
+                    await self.limiter.settle(reservation, used)
             m = self.metrics
-            m.child(m.requests, job.model_label, job.key, str(status)).inc()
-            m.child(m.e2e, job.model_label).observe(self._mono() - job.start)
+            m.child(m.requests, job.model_label, job.key, job.team, str(status)).inc()
+            latency = self._mono() - job.start
+            m.child(m.e2e, job.model_label).observe(latency)
+            if known:
+                self.usage.record(job, status)
+            if self.access_log is not None:
+                self.access_log.write(job, status, latency)
 
 
 _GETS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "/v1/models"})

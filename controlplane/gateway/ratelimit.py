@@ -138,6 +138,8 @@ class Admitted:
     """(limit, remaining) of the level with the fewest requests left; None: no level has an rpm."""
     tokens: tuple[int, int] | None = None
     """(limit, remaining) of the level with the fewest tokens left."""
+    unchecked: int = 0
+    """Levels admitted without a check because the limiter's backend was unreachable (fail open)."""
 
 
 async def admit_levels(
@@ -149,6 +151,7 @@ async def admit_levels(
     level would cost more than they save.
     """
     reservations: list[Reservation] = []
+    unchecked = 0
     req: tuple[int, int] | None = None
     tok: tuple[int, int] | None = None
     for level in levels:
@@ -162,13 +165,14 @@ async def admit_levels(
             return Refused(level, decision)
         if decision.reservation is not None:
             reservations.append(decision.reservation)
+        unchecked += decision.backend_error
         left = decision.remaining_requests
         if limits.rpm is not None and left is not None and (req is None or left < req[1]):
             req = (limits.rpm, left)
         left = decision.remaining_tokens
         if limits.tpm is not None and left is not None and (tok is None or left < tok[1]):
             tok = (limits.tpm, left)
-    return Admitted(tuple(reservations), req, tok)
+    return Admitted(tuple(reservations), req, tok, unchecked)
 
 
 _MONTHS: dict[int, tuple[int, float]] = {}

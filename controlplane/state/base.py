@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.spec import DeploymentRecord, ReplicaRecord
 
-__all__ = ["ApiKeyRecord", "AuditEntry", "EventRecord", "StateStore", "TeamRecord"]
+__all__ = ["ApiKeyRecord", "AuditEntry", "EventRecord", "StateStore", "TeamRecord", "UsageRecord"]
 
 
 class ApiKeyRecord(BaseModel):
@@ -86,6 +86,34 @@ class EventRecord(BaseModel):
     """Who acted: ``controller``, ``llmctl`` (with the actor in ``message`` where it matters)."""
 
 
+class UsageRecord(BaseModel):
+    """What one key (in one team) used of one model in one UTC hour; stores add these up."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hour: int
+    """Epoch seconds of the hour's start (a multiple of 3600)."""
+    key: str
+    """The key's name."""
+    team: str = ""
+    """"" for a key without a team."""
+    model: str
+    requests: int = 0
+    """Client requests, each counted once however many replicas the gateway tried."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    errors: int = 0
+    """Requests answered with an error (4xx other than 429, and 5xx)."""
+    rejected: int = 0
+    """Requests refused by a rate limit or quota (429)."""
+    cost: float = 0.0
+    """At the operator's prices when the request was served (0 without prices)."""
+
+    @property
+    def ident(self) -> tuple[int, str, str, str]:
+        return (self.hour, self.key, self.team, self.model)
+
+
 @runtime_checkable
 class StateStore(Protocol):
     """Desired state (deployments), observed state (replicas) and API keys.
@@ -128,6 +156,15 @@ class StateStore(Protocol):
         self, deployment: str | None = None, since: float = 0.0, limit: int = 1000
     ) -> list[EventRecord]:
         """Events at or after ``since``, oldest first, the newest ``limit`` of them."""
+        ...
+
+    # usage per key, team, model and hour (counters only grow; not a state change: no revision bump)
+    def add_usage(self, rows: list[UsageRecord]) -> None:
+        """Add each row's counts to the stored row of the same hour, key, team and model."""
+        ...
+
+    def list_usage(self, since: float = 0.0, until: float | None = None) -> list[UsageRecord]:
+        """Rows of the hours that start in ``[since's hour, until)``, by hour, key, team, model."""
         ...
 
     # change feed and lifecycle
