@@ -9,7 +9,19 @@ import typer
 from pydantic import ValidationError
 
 from controlplane import __version__
-from controlplane.cli import audit, controller, fleet, gateway, infra, keys, planning, runtime, teams, ui
+from controlplane.cli import (
+    audit,
+    controller,
+    fleet,
+    gateway,
+    infra,
+    keys,
+    planning,
+    runtime,
+    teams,
+    ui,
+    usage,
+)
 from controlplane.errors import SarvError, describe_validation_error
 
 __all__ = ["build_app", "main"]
@@ -39,7 +51,7 @@ def build_app() -> typer.Typer:
     ) -> None:
         """Sarv's control plane."""
 
-    for module in (fleet, planning, runtime, keys, teams, audit, gateway, infra, controller):
+    for module in (fleet, planning, runtime, keys, teams, audit, usage, gateway, infra, controller):
         module.register(app)
     return app
 
