@@ -9,10 +9,11 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import redis.asyncio
+    from redis.commands.core import AsyncScript
 
 # The window is the "sliding window counter" of two fixed one-minute buckets: the estimate is
 # ``previous × (1 − elapsed/60) + current``. It needs two integers per key and limit (no per-request
@@ -360,6 +361,10 @@ return 1
 
 _UNBOUNDED = 1 << 62
 
+# What redis-py's asyncio transport lets escape for a connection torn down under a write, instead of a
+# ConnectionError (redis/redis-py#4287): a backend failure like any other, never a 500.
+_TRANSPORT_BUGS = (AttributeError, TypeError)
+
 
 def _left(room: int, lease: int) -> int:
     """Left of a limit as this gateway sees it: Redis's rest plus its own lease's (-1: no such limit)."""
@@ -406,9 +411,12 @@ class RedisLimiter:
         fail_open: bool = True,
         lease_fraction: float = 0.002,
         lease_ttl: float = 1.0,
+        max_inflight: int = 48,
     ) -> None:
         """``client``: from :func:`controlplane.state.clients.async_client` (a ``redis.asyncio.Redis`` or
-        ``RedisCluster``). ``lease_fraction`` 0 turns leases off."""
+        ``RedisCluster``). ``lease_fraction`` 0 turns leases off. ``max_inflight`` bounds the Redis calls
+        under way at once; keep it below the client's connections per node: redis-py's Cluster client
+        fails a command beyond them at once, and the reconnect that follows breaks the calls in flight."""
         self._client = client
         self._prefix = prefix
         self._fail_open = fail_open
@@ -421,6 +429,10 @@ class RedisLimiter:
         self._inflight: dict[str, asyncio.Future[None]] = {}
         self._flusher: asyncio.Task[None] | None = None
         self._flush_interval = 0.05
+        self._closing = False
+        self._initialised = False
+        self._init_lock = asyncio.Lock()
+        self._slots = asyncio.Semaphore(max_inflight)
         self._admit = client.register_script(_ADMIT_LUA)
         self._settle = client.register_script(_SETTLE_LUA)
 
@@ -547,8 +559,9 @@ class RedisLimiter:
             limits.monthly_tokens or 0,
         ]
         try:
-            res = await self._admit(keys=keys, args=args)
-        except (RedisError, OSError) as exc:
+            async with self._slots:
+                res = await self._script(self._admit, keys, args)
+        except (RedisError, OSError, *_TRANSPORT_BUGS) as exc:
             self._warn_unreachable(exc, now)
             return Decision(self._fail_open, "limiter_unavailable", 1.0, backend_error=True)
         tag = res[0].decode() if isinstance(res[0], bytes) else str(res[0])
@@ -667,7 +680,7 @@ class RedisLimiter:
 
     async def _flush_soon(self) -> None:
         # While leases are held, keep ticking: an expired lease goes back even if its key goes quiet.
-        while True:
+        while not self._closing:
             await asyncio.sleep(self._flush_interval)
             await self.flush()
             if not self._leases and not self._pending:
@@ -682,7 +695,7 @@ class RedisLimiter:
             self._retire(key)
         pending, self._pending = self._pending, {}
         calls = [
-            self._settle(
+            self._bounded_settle(
                 keys=[
                     self._k(key, "r", window),
                     self._k(key, "t", window),
@@ -695,14 +708,35 @@ class RedisLimiter:
             if d_req or d_tok
         ]
         results = await asyncio.gather(*calls, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, RedisError | OSError)]
+        errors = [r for r in results if isinstance(r, (RedisError, OSError, *_TRANSPORT_BUGS))]
         if errors:
             # Losing a settlement only leaves the reservation standing: the key is limited a little early.
             logger.warning("rate limiter: %d settlement(s) lost (%s)", len(errors), errors[0])
 
+    async def _bounded_settle(self, keys: list[str], args: list[str | int]) -> object:
+        async with self._slots:
+            return await self._script(self._settle, keys, args)
+
+    async def _script(self, script: AsyncScript, keys: list[str], args: list[str | int]) -> Any:
+        """Run a script, the client initialised first.
+
+        A ``RedisCluster`` that meets its first commands concurrently reads the slot map once per command
+        and replaces the nodes (and their connections) under the others' feet: they fail with the
+        transport's own AttributeError (redis-py 8.1). Initialised once, up front, it does not.
+        """
+        if not self._initialised:
+            async with self._init_lock:
+                if not self._initialised:
+                    await self._client.initialize()
+                    self._initialised = True
+        return await script(keys=keys, args=args)
+
     async def close(self) -> None:
+        # The flusher is let finish, not cancelled: a flush cancelled in flight loses the settlements it
+        # had taken (and leaves a Cluster connection mid-command).
+        self._closing = True
         if self._flusher is not None and not self._flusher.done():
-            self._flusher.cancel()
+            await asyncio.gather(self._flusher, return_exceptions=True)
         # Top-ups are awaited, not cancelled: one whose booking already reached Redis would otherwise leave
         # that booking behind with no lease to return it from (the client's timeouts bound the wait).
         await asyncio.gather(*list(self._topping.values()), return_exceptions=True)
