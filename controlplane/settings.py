@@ -86,8 +86,9 @@ class Settings(BaseSettings):
     with the tag of the replica's GPU generation (gpu_generations.yaml)."""
     vllm_image_repository: str = "vllm/vllm-openai"
     """Repository of the table's image tags (a registry mirror's path on an offline site)."""
-    ray_version: str = "2.49.2"
-    """Ray version matching ``vllm_image``, used for multi-node pipeline parallelism."""
+    ray_version: str | None = None
+    """Ray version every node's venv must run for process engines (``sim``, ``vllm-cpu``) across nodes;
+    None: any, as long as all nodes of a replica agree. Container engines run their image's own Ray."""
     remote_python: str = "/opt/sarv/venv/bin/python"
     """Interpreter on remote nodes for process engines (``sim``, ``vllm-cpu``) and Ray: a venv with Sarv."""
     remote_model_cache: Path = Path("/var/lib/sarv/models")

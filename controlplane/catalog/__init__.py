@@ -1,6 +1,12 @@
 """Model catalog and memory estimator: ``Catalog.load(extra).get(name) -> ModelSpec``, ``estimate(...)``."""
 
-from controlplane.catalog._catalog import Catalog, CatalogEntry, CatalogFile, spec_from_hf_config
+from controlplane.catalog._catalog import (
+    Catalog,
+    CatalogEntry,
+    CatalogFile,
+    draft_model,
+    spec_from_hf_config,
+)
 from controlplane.catalog._checkpoint import CheckpointFormat, checkpoint_format
 from controlplane.catalog._memory import (
     ACTIVATION_TOKENS,
@@ -30,6 +36,7 @@ __all__ = [
     "MemoryEstimate",
     "checkpoint_format",
     "count_params",
+    "draft_model",
     "estimate",
     "kv_bytes_per_token",
     "lora_budget",

@@ -6,6 +6,7 @@ import difflib
 import json
 import re
 from collections.abc import Iterable, Sequence
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from controlplane.errors import ConfigError, UnknownModelError, describe_validation_error
-from controlplane.spec import ModelSpec, Quantization
+from controlplane.spec import DeploymentSpec, ModelSpec, Quantization
 
-__all__ = ["Catalog", "CatalogEntry", "CatalogFile", "spec_from_hf_config"]
+__all__ = ["Catalog", "CatalogEntry", "CatalogFile", "draft_model", "spec_from_hf_config"]
 
 
 class CatalogEntry(ModelSpec):
@@ -112,6 +113,34 @@ def spec_from_hf_config(config: dict[str, Any], *, name: str) -> CatalogEntry:
         raise ConfigError(describe_validation_error(exc, what=f"model {name} (config.json)")) from None
     entry.num_params = count_params(entry)
     return entry
+
+
+def draft_model(spec: DeploymentSpec) -> ModelSpec | None:
+    """The speculative draft model's shape, from its source's config.json; None without a draft model.
+
+    The planner counts the draft's weights and KV cache, so a draft whose shape cannot be read is an
+    error here, before anything is placed.
+    """
+    speculative = spec.speculative
+    if speculative is None or speculative.model is None:
+        return None
+    return _draft_from_source(speculative.model)
+
+
+@lru_cache(maxsize=32)
+def _draft_from_source(source: str) -> ModelSpec:
+    from controlplane.errors import WeightsError
+    from controlplane.weights import read_source_json
+
+    config = read_source_json(source)
+    if config is None:
+        raise WeightsError(
+            f"draft model {source!r} has no config.json",
+            hint="give the draft model's directory (with config.json and a SHA256SUMS manifest); "
+            "the planner needs its shape to count its memory",
+        )
+    name = _slug(source.rstrip("/").rsplit("/", 1)[-1])
+    return spec_from_hf_config(config, name=name).to_spec()
 
 
 def _read_yaml(path: Path) -> list[CatalogEntry]:

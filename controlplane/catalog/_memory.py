@@ -169,6 +169,12 @@ class MemoryEstimate(BaseModel):
     """LoRA slots (``lora_slots_mib``); 0 without LoRA."""
     max_loras: int = 0
     max_lora_rank: int = 0
+    draft_model: str = ""
+    """Speculative draft model sharing the GPUs; empty without one (n-gram speculation needs none)."""
+    draft_weights_mib: float = 0.0
+    """This GPU's share of the draft's weights (the whole draft, split by the same tp)."""
+    draft_kv_bytes_per_token_per_gpu: int = 0
+    """The draft's KV cache per token on this GPU; included in ``kv_per_sequence_mib``."""
 
     @property
     def budget_mib(self) -> float:
@@ -181,7 +187,7 @@ class MemoryEstimate(BaseModel):
 
     @property
     def kv_budget_mib(self) -> float:
-        return self.budget_mib - self.weights_mib - self.overhead_mib
+        return self.budget_mib - self.weights_mib - self.draft_weights_mib - self.overhead_mib
 
     @property
     def max_concurrency(self) -> int:
@@ -193,7 +199,12 @@ class MemoryEstimate(BaseModel):
     @property
     def required_mib(self) -> float:
         """Weights + overhead + KV for ``concurrency`` sequences: the hard fit compares this to the budget."""
-        return self.weights_mib + self.overhead_mib + self.concurrency * self.kv_per_sequence_mib
+        return (
+            self.weights_mib
+            + self.draft_weights_mib
+            + self.overhead_mib
+            + self.concurrency * self.kv_per_sequence_mib
+        )
 
     @property
     def fits(self) -> bool:
@@ -219,10 +230,27 @@ class MemoryEstimate(BaseModel):
                 if self.lora_mib
                 else []
             ),
+            *(
+                [
+                    f"  draft weights        {self.draft_weights_mib / 1024:8.2f} GiB  "
+                    f"(speculative draft {self.draft_model}, split by tp={self.tp})"
+                ]
+                if self.draft_model
+                else []
+            ),
             f"  KV bytes per token   {kv_tok:,} B = 2 × layers × kv_heads × head_dim × bytes (whole model); "
             f"{self.kv_bytes_per_token_per_gpu:,} B on this GPU",
+            *(
+                [
+                    f"  draft KV per token   {self.draft_kv_bytes_per_token_per_gpu:,} B on this GPU "
+                    "(every sequence also holds the draft's KV cache)"
+                ]
+                if self.draft_model
+                else []
+            ),
             f"  KV per sequence      {self.kv_per_sequence_mib / 1024:8.2f} GiB  "
-            f"({self.kv_bytes_per_token_per_gpu:,} B × {self.max_model_len} tokens)",
+            f"({self.kv_bytes_per_token_per_gpu + self.draft_kv_bytes_per_token_per_gpu:,} B × "
+            f"{self.max_model_len} tokens)",
             f"  budget               {self.budget_mib / 1024:8.2f} GiB  "
             f"(gpu_memory_utilization {self.gpu_memory_utilization:.2f} × "
             f"{self.gpu_memory_mib / 1024:.1f} GiB)",
@@ -250,8 +278,16 @@ def estimate(
     max_num_batched_tokens: int | None = None,
     max_loras: int = 0,
     max_lora_rank: int = 16,
+    draft: ModelSpec | None = None,
 ) -> MemoryEstimate:
-    """Memory one GPU of a ``tp`` × ``pp`` replica of ``model`` needs on a GPU of ``gpu_memory_mib``."""
+    """Memory one GPU of a ``tp`` × ``pp`` replica of ``model`` needs on a GPU of ``gpu_memory_mib``.
+
+    ``draft``: a speculative draft model. vLLM runs it with the target's tensor-parallel size
+    (``draft_tensor_parallel_size`` defaults to it) and gives its layers KV cache blocks from the same
+    pool, so each GPU holds its tp share of the draft's weights and each sequence the draft's KV too.
+    The whole draft is counted on every GPU: with pp > 1 it sits on one stage, and the largest stage
+    decides the fit.
+    """
     if tp < 1 or pp < 1:
         raise UserError(f"tp ({tp}) and pp ({pp}) must be at least 1")
     if pp > model.num_layers:
@@ -279,6 +315,15 @@ def estimate(
     non_torch = NON_TORCH_MIB + (NCCL_MIB if tp * pp > 1 else 0.0)
 
     kv_tok_gpu = kv_bytes_per_token(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, tp=tp, pp=pp)
+    draft_mib, draft_kv = 0.0, 0
+    if draft is not None:
+        draft_quant = draft.quantizations[0] if len(draft.quantizations) == 1 else Quantization.NONE
+        draft_heads = draft.vocab_size * draft.hidden_size * (1 if draft.tie_word_embeddings else 2)
+        draft_bytes = (draft.num_params - draft_heads) * weight_bytes_per_param(
+            draft_quant, dtype
+        ) + draft_heads * ebytes
+        draft_mib = draft_bytes / tp / MIB
+        draft_kv = kv_bytes_per_token(draft, dtype=dtype, kv_cache_dtype=kv_cache_dtype, tp=tp)
     blocks = math.ceil(length / KV_BLOCK_TOKENS)
     return MemoryEstimate(
         model=model.name,
@@ -297,7 +342,7 @@ def estimate(
         non_torch_mib=non_torch,
         kv_bytes_per_token=kv_bytes_per_token(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype),
         kv_bytes_per_token_per_gpu=kv_tok_gpu,
-        kv_per_sequence_mib=blocks * KV_BLOCK_TOKENS * kv_tok_gpu / MIB,
+        kv_per_sequence_mib=blocks * KV_BLOCK_TOKENS * (kv_tok_gpu + draft_kv) / MIB,
         lora_mib=lora_slots_mib(
             model, max_loras=max_loras, max_lora_rank=max_lora_rank, tp=tp, pp=pp, dtype=dtype
         )
@@ -305,4 +350,7 @@ def estimate(
         else 0.0,
         max_loras=max_loras,
         max_lora_rank=max_lora_rank if max_loras else 0,
+        draft_model=draft.name if draft is not None else "",
+        draft_weights_mib=draft_mib,
+        draft_kv_bytes_per_token_per_gpu=draft_kv,
     )

@@ -87,8 +87,9 @@ def _print_table(plan: Plan, fleet: Fleet, spec: DeploymentSpec, source: str) ->
 
 def _explain(plan: Plan, fleet: Fleet, spec: DeploymentSpec, model: ModelSpec) -> None:
     """Print the memory arithmetic for each layout the plan uses (or would need, when nothing fits)."""
-    from controlplane.catalog import estimate, lora_budget
+    from controlplane.catalog import draft_model, estimate, lora_budget
 
+    draft = draft_model(spec)
     types: dict[tuple[str, int], None] = {}
     nodes = {n.name: n for n in fleet.nodes}
     seen: set[tuple[object, ...]] = set()
@@ -124,6 +125,7 @@ def _explain(plan: Plan, fleet: Fleet, spec: DeploymentSpec, model: ModelSpec) -
             max_model_len=spec.max_model_len,
             concurrency=spec.concurrency,
             gpu_memory_utilization=spec.gpu_memory_utilization,
+            draft=draft,
             **lora_budget(spec),
         )
         for line in est.explain():
@@ -245,6 +247,14 @@ def register(app: typer.Typer) -> None:
                 "--engine", help="As for deploy: vllm, vllm-cpu, sim; auto: vllm with GPUs, else vllm-cpu."
             ),
         ] = EngineChoice.AUTO,
+        lora_module: Annotated[
+            list[str] | None,
+            typer.Option(help="As for deploy: LoRA adapter NAME=PATH (its slots count against memory)."),
+        ] = None,
+        speculative_config: Annotated[
+            str | None,
+            typer.Option(help='As for deploy: "ngram[:N]", "draft:MODEL[:N]" (the draft counts) or JSON.'),
+        ] = None,
     ) -> None:
         """Plan where the replicas of MODEL would run; changes nothing.
 
@@ -255,7 +265,7 @@ def register(app: typer.Typer) -> None:
         from controlplane.launchers import is_local_node
         from controlplane.placement import choose_engine, place, plan_to_json
         from controlplane.settings import load_settings
-        from controlplane.spec import DeploymentSpec, EngineKind
+        from controlplane.spec import DeploymentSpec, EngineKind, LoraAdapter, SpeculativeConfig
 
         settings = load_settings()
         source = inventory if inventory is not None else settings.inventory
@@ -279,6 +289,8 @@ def register(app: typer.Typer) -> None:
             strategy=strategy,
             gpu_memory_utilization=gpu_memory_utilization,
             engine=kind,
+            lora_adapters=[a for m in lora_module or [] for a in LoraAdapter.parse_list(m)],
+            speculative=SpeculativeConfig.parse(speculative_config) if speculative_config else None,
         )
         # The same placement `llmctl deploy` records, with the same answers about this host.
         result = place(

@@ -257,13 +257,38 @@ class Deployer:
                 image = self.settings.vllm_image or self.compat.image_for(
                     rows, self.settings.vllm_image_repository
                 )
+            self._check_layout(spec, rp, index, engine)
             source = method = None
-            if engine is not None and engine.needs_weights:
+            if engine is not None and self._lands_weights(spec, model, engine):
                 if rp.quantization not in sources:
                     sources[rp.quantization] = self._checked_source(spec, model, rp.quantization)
                 source, method = sources[rp.quantization]
             out[index] = _Prepared(source=source, quantization_method=method, image=image)
         return out
+
+    def _lands_weights(self, spec: DeploymentSpec, model: ModelSpec, engine: Engine) -> bool:
+        """Whether the replica gets verified weights on its nodes: engines that load them always; ``sim``
+        when it has weights to rehearse with (a ``--source`` or the generated tiny model), so a GPU
+        rehearsal verifies, copies and mounts them like ``vllm`` and the simulator checks their variant."""
+        if engine.needs_weights:
+            return True
+        return spec.engine is EngineKind.SIM and bool(
+            spec.source or spec.sources or model.name == TINY_MODEL_NAME
+        )
+
+    def _check_layout(self, spec: DeploymentSpec, rp: ReplicaPlan, index: int, engine: Engine | None) -> None:
+        """A replica spanning nodes needs an engine and a launcher that join them (before any copy)."""
+        nodes = list(dict.fromkeys(s.node for s in sorted(rp.shards, key=lambda s: s.pp_rank)))
+        if len(nodes) <= 1:
+            return
+        if engine is not None and not engine.multi_node:
+            raise UserError(
+                f"replica {index} of {spec.name} needs pipeline stages on {len(nodes)} nodes "
+                f"({', '.join(nodes)}), and the {spec.engine.value} engine runs a replica on one node",
+                hint="plan onto nodes that hold a whole replica (llmctl plan --explain shows the "
+                "layouts), or use an engine that joins nodes over Ray (vllm-cpu, sim)",
+            )
+        self._replica_launcher(rp.shards)  # no Ray launcher, or a node outside the fleet: refused now
 
     def _rows(self, rp: ReplicaPlan, index: int) -> list[Generation]:
         """The table rows of the replica's GPUs; each must run the planned variant."""
@@ -394,7 +419,7 @@ class Deployer:
             launcher = self._replica_launcher(rplan.shards)
             model_dir = None
             ready = prepared[index]
-            if engine.needs_weights:
+            if self._lands_weights(spec, model, engine):
                 if shard0.node not in weights:
                     source = ready.source or self._model_source(spec, model, rplan.quantization)
                     self._say("weights", f"weights: verifying {model.name} on {shard0.node}")
@@ -433,6 +458,11 @@ class Deployer:
                 tool_chat_template=model.tool_chat_template if spec.tools else None,
             )
             launch = engine.build(ctx)
+            stage_gpus: dict[str, list[str]] = {}
+            for shard in rplan.shards:
+                stage_gpus.setdefault(shard.node, []).extend(self._gpu_ids(shard))
+            if any(stage_gpus.values()):
+                launch = launch.model_copy(update={"stage_gpus": stage_gpus})
             now = self.clock()
             rec = ReplicaRecord(
                 id=replica_id,

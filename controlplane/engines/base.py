@@ -113,6 +113,13 @@ class EngineLaunch(BaseModel):
     """Health, readiness and metrics paths; the deployer copies them into the replica record."""
     container_name: str | None = None
     """For container engines: the name ``docker stop``/``docker logs`` address."""
+    ray_member_argv: list[str] = Field(default_factory=list)
+    """For a container engine whose replica spans nodes: the ``docker run`` argv of one Ray cluster member
+    up to the image, with ``{name}`` and ``{gpus}`` for the group launcher to fill per node; the launcher
+    appends ``ray start …``. Empty: members run the node venv's ``ray`` (process engines)."""
+    stage_gpus: dict[str, list[str]] = Field(default_factory=dict)
+    """GPU ids (UUIDs, else indices) of the replica's stages by node, for a group launcher whose
+    cluster members must offer exactly those GPUs (Ray's ``--num-gpus``); empty without GPUs."""
 
 
 @runtime_checkable
@@ -125,6 +132,11 @@ class Engine(Protocol):
     @property
     def needs_weights(self) -> bool:
         """Whether the launcher must land verified weights on the node before starting it."""
+        ...
+
+    @property
+    def multi_node(self) -> bool:
+        """Whether one replica may span nodes (pipeline stages joined by the group launcher)."""
         ...
 
     def build(self, ctx: ReplicaContext) -> EngineLaunch: ...

@@ -45,6 +45,7 @@ class SimEngine:
 
     kind: EngineKind = EngineKind.SIM
     needs_weights: bool = False
+    multi_node: bool = True
 
     def build(self, ctx: ReplicaContext) -> EngineLaunch:
         argv = [

@@ -13,6 +13,7 @@ __all__ = ["VllmEngine"]
 
 _CONTAINER_PORT = 8000
 _MODEL_MOUNT = PurePosixPath("/models")
+_RAY_SESSION = "/tmp/ray"  # noqa: S108 - inside the member container: Ray's session directory
 
 
 @dataclass(frozen=True)
@@ -39,15 +40,71 @@ class VllmEngine:
 
     kind: EngineKind = EngineKind.VLLM
     needs_weights: bool = True
+    multi_node: bool = True
+    """Pipeline stages on several nodes: a Ray cluster of containers of the same image, one per node."""
 
     def build(self, ctx: ReplicaContext) -> EngineLaunch:
-        nodes = {s.node for s in ctx.shards}
-        if len(nodes) > 1:
-            # Pipeline stages on several nodes run as one Ray cluster; that is a launcher's job.
-            raise LaunchError(
-                f"replica {ctx.replica_id} spans nodes {', '.join(sorted(nodes))}",
-                hint="multi-node pipeline parallelism needs the Ray launcher",
-            )
+        image, multi = self._checked(ctx)
+        name = f"sarv-{ctx.replica_id}"
+        mount = _MODEL_MOUNT / ctx.spec.model
+        secret_env = {}
+        if ctx.api_key is not None:
+            if ctx.env_file is None:
+                raise LaunchError(f"replica {ctx.replica_id}: an API key needs an env file to travel in")
+            secret_env["VLLM_API_KEY"] = ctx.api_key
+        env = {
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            **lora_env(ctx.spec),
+        }
+        argv = [self.docker, "run", "--detach", "--name", name, *self._labels(ctx)]
+        if multi:
+            # The server is the Ray driver of the replica's own cluster: it shares the head member's
+            # host network, shared memory (Ray's object store) and /tmp/ray (session sockets). The
+            # members hold the GPUs; the driver needs none. It listens on the node's private address.
+            head = _member_name(ctx.replica_id, "ray-head")
+            argv += ["--network", "host", "--ipc", f"container:{head}", "--volumes-from", head]
+            argv += self._hardening()
+            argv += ["--volume", f"{ctx.model_dir}:{mount}:ro,z", *_source_mounts(ctx)]
+        else:
+            argv += [
+                # The csv parser of --gpus splits on commas unless the value is quoted.
+                "--gpus",
+                '"device=' + ",".join(ctx.gpu_ids) + '"',
+                *self._hardening(),
+                "--shm-size",
+                self.shm_size,
+                # ro: engines never write weights; z: a shared SELinux label, replicas share the cache.
+                "--volume",
+                f"{ctx.model_dir}:{mount}:ro,z",
+                *_source_mounts(ctx),
+                "--publish",
+                f"{ctx.host}:{ctx.port}:{_CONTAINER_PORT}",
+            ]
+        for key, value in env.items():
+            argv += ["--env", f"{key}={value}"]
+        if ctx.env_file is not None and secret_env:
+            argv += ["--env-file", str(ctx.env_file)]
+        # An explicit entrypoint: images switched from the module to `vllm serve` across versions.
+        argv += ["--entrypoint", "python3", image, "-m", "vllm.entrypoints.openai.api_server"]
+        host, port = (ctx.host, ctx.port) if multi else ("0.0.0.0", _CONTAINER_PORT)  # noqa: S104
+        argv += vllm_server_args(ctx, model_path=str(mount), host=host, port=port)
+        if multi:
+            argv += ["--distributed-executor-backend", "ray"]
+        # GPU only: the CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE instead.
+        argv += ["--gpu-memory-utilization", str(ctx.spec.gpu_memory_utilization)]
+        member = self._member_argv(ctx, image, str(mount), env) if multi else []
+        return EngineLaunch(
+            argv=argv,
+            secret_env=secret_env,
+            port=ctx.port,
+            container_name=name,
+            ray_member_argv=member,
+        )
+
+    def _checked(self, ctx: ReplicaContext) -> tuple[str, bool]:
+        """The image, and whether the replica spans nodes; refuses a context the engine cannot run."""
         if ctx.model_dir is None:
             raise LaunchError(f"replica {ctx.replica_id}: no verified weights directory to mount")
         if not ctx.gpu_ids:
@@ -56,39 +113,56 @@ class VllmEngine:
         if not image:
             raise LaunchError(f"replica {ctx.replica_id}: no engine image (set vllm_image)")
         rp = ctx.replica
-        tp_pp = rp.tp * rp.pp if rp is not None else ctx.spec.tp * (ctx.spec.pp or 1)
-        if len(ctx.gpu_ids) != tp_pp:
-            raise LaunchError(
-                f"replica {ctx.replica_id}: {len(ctx.gpu_ids)} GPUs planned for tp×pp = {tp_pp}"
-            )
-        name = f"sarv-{ctx.replica_id}"
-        mount = _MODEL_MOUNT / ctx.spec.model
-        secret_env = {}
-        if ctx.api_key is not None:
-            if ctx.env_file is None:
-                raise LaunchError(f"replica {ctx.replica_id}: an API key needs an env file to travel in")
-            secret_env["VLLM_API_KEY"] = ctx.api_key
-        argv = [
+        tp, pp = (rp.tp, rp.pp) if rp is not None else (ctx.spec.tp, ctx.spec.pp or 1)
+        nodes = list(dict.fromkeys(s.node for s in sorted(ctx.shards, key=lambda s: s.pp_rank)))
+        multi = len(nodes) > 1
+        # Multi-node: the stages' GPUs are the Ray members' (stage_gpus); the head's shows in gpu_ids.
+        planned = sum(len(s.gpus) for s in ctx.shards) if multi else len(ctx.gpu_ids)
+        if planned != tp * pp:
+            over = f" over nodes {', '.join(nodes)}" if multi else ""
+            raise LaunchError(f"replica {ctx.replica_id}: {planned} GPUs planned for tp×pp = {tp * pp}{over}")
+        return image, multi
+
+    def _member_argv(self, ctx: ReplicaContext, image: str, mount: str, env: dict[str, str]) -> list[str]:
+        """``docker run`` of one Ray member up to the image; ``{name}``/``{gpus}`` filled per node."""
+        return [
             self.docker,
             "run",
             "--detach",
             "--name",
-            name,
-            "--label",
-            f"sarv.replica={ctx.replica_id}",
-            "--label",
-            f"sarv.deployment={ctx.spec.name}",
-            # The csv parser of --gpus splits on commas unless the value is quoted.
+            "{name}",
+            *self._labels(ctx),
+            "--network",
+            "host",
             "--gpus",
-            '"device=' + ",".join(ctx.gpu_ids) + '"',
+            '"device={gpus}"',
+            *self._hardening(),
+            "--shm-size",
+            self.shm_size,
+            # An anonymous volume for the member's Ray session, which the driver container mounts
+            # with --volumes-from (its sockets live there).
+            "--volume",
+            _RAY_SESSION,
+            "--volume",
+            f"{ctx.model_dir}:{mount}:ro,z",
+            *_source_mounts(ctx),
+            *[a for key, value in env.items() for a in ("--env", f"{key}={value}")],
+            "--entrypoint",
+            "ray",
+            image,
+        ]
+
+    def _labels(self, ctx: ReplicaContext) -> list[str]:
+        return ["--label", f"sarv.replica={ctx.replica_id}", "--label", f"sarv.deployment={ctx.spec.name}"]
+
+    def _hardening(self) -> list[str]:
+        out = [
             "--security-opt",
             "no-new-privileges:true",
             "--security-opt",
             f"label=type:{self.selinux_type}",
             "--restart",
             self.restart,
-            "--shm-size",
-            self.shm_size,
             "--pids-limit",
             str(self.pids_limit),
             "--log-opt",
@@ -97,33 +171,15 @@ class VllmEngine:
             "max-file=3",
         ]
         if self.memory:
-            argv += ["--memory", self.memory]
+            out += ["--memory", self.memory]
         if self.cpus:
-            argv += ["--cpus", str(self.cpus)]
-        # ro: engines never write weights; z: a shared SELinux label, since replicas share the cache.
-        argv += [
-            "--volume",
-            f"{ctx.model_dir}:{mount}:ro,z",
-            *_source_mounts(ctx),
-            "--publish",
-            f"{ctx.host}:{ctx.port}:{_CONTAINER_PORT}",
-            "--env",
-            "HF_HUB_OFFLINE=1",
-            "--env",
-            "VLLM_NO_USAGE_STATS=1",
-            "--env",
-            "DO_NOT_TRACK=1",
-        ]
-        for key, value in lora_env(ctx.spec).items():
-            argv += ["--env", f"{key}={value}"]
-        if ctx.env_file is not None and secret_env:
-            argv += ["--env-file", str(ctx.env_file)]
-        # An explicit entrypoint: images switched from the module to `vllm serve` across versions.
-        argv += ["--entrypoint", "python3", image, "-m", "vllm.entrypoints.openai.api_server"]
-        argv += vllm_server_args(ctx, model_path=str(mount), host="0.0.0.0", port=_CONTAINER_PORT)  # noqa: S104
-        # GPU only: the CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE instead.
-        argv += ["--gpu-memory-utilization", str(ctx.spec.gpu_memory_utilization)]
-        return EngineLaunch(argv=argv, secret_env=secret_env, port=ctx.port, container_name=name)
+            out += ["--cpus", str(self.cpus)]
+        return out
+
+
+def _member_name(replica_id: str, role: str) -> str:
+    """The container of one Ray member: the name of its systemd unit (``sarv-<replica>-<role>``)."""
+    return f"sarv-{replica_id}-{role}"
 
 
 def _source_mounts(ctx: ReplicaContext) -> list[str]:

@@ -39,6 +39,7 @@ class VllmCpuEngine:
 
     kind: EngineKind = EngineKind.VLLM_CPU
     needs_weights: bool = True
+    multi_node: bool = True
 
     def build(self, ctx: ReplicaContext) -> EngineLaunch:
         if ctx.model_dir is None:

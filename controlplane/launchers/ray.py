@@ -13,10 +13,10 @@ from controlplane.engines.base import EngineLaunch
 from controlplane.errors import LaunchError, SarvError
 from controlplane.launchers.base import ProcessState, ReplicaProcess
 from controlplane.launchers.ssh import SshLauncher
-from controlplane.launchers.units import UnitSpec
+from controlplane.launchers.units import UnitSpec, unit_name
 from controlplane.weights import WeightsPolicy
 
-__all__ = ["RayLauncher", "ray_active_nodes"]
+__all__ = ["RayLauncher", "ray_active_nodes", "ray_engine_argv"]
 
 _ACTIVE_NODE_RE = re.compile(r"^\s*\d+\s+node_[0-9a-f]+", re.MULTILINE)
 
@@ -25,6 +25,14 @@ def ray_active_nodes(status_text: str) -> int:
     """Nodes listed under ``Active:`` in ``ray status`` output (those that joined and are alive)."""
     section = status_text.partition("Active:")[2].partition("Pending:")[0]
     return len(_ACTIVE_NODE_RE.findall(section))
+
+
+def ray_engine_argv(argv: Sequence[str]) -> list[str]:
+    """The engine's argv as the Ray head runs it: pipeline stages on other nodes need Ray's executor."""
+    out = list(argv)
+    if "--pipeline-parallel-size" in out and "--distributed-executor-backend" not in out:
+        out += ["--distributed-executor-backend", "ray"]
+    return out
 
 
 class RayLauncher:
@@ -102,7 +110,8 @@ class RayLauncher:
         return paths.pop()
 
     def check_ray(self) -> None:
-        """Every node has Ray, at the pinned version, in the same venv as the engine."""
+        """Every node has Ray in the same venv as the engine, all at one version (the pinned one if set)."""
+        seen: dict[str, str] = {}
         for s in self.stages:
             res = s.run(shlex.join([s.python, "-c", "import ray; print(ray.__version__)"]), check=False)
             if res.exit_code != 0:
@@ -116,9 +125,19 @@ class RayLauncher:
                     f"node {s.node.name}: Ray {found} installed, the engine needs {self.ray_version}",
                     hint="every node of a Ray cluster must run the same Ray version (settings.ray_version)",
                 )
+            seen[s.node.name] = found
+        if len(set(seen.values())) > 1:
+            versions = ", ".join(f"{node} {version}" for node, version in seen.items())
+            raise LaunchError(
+                f"the nodes of one Ray cluster run different Ray versions: {versions}",
+                hint="install the same Ray on every node (pip install -e '.[ray]' pins it)",
+            )
 
     def start(self, replica_id: str, launch: EngineLaunch) -> dict[str, str]:
-        self.check_ray()
+        # Container engines run Ray from their image (its own version); process engines the node venv's.
+        containers = bool(launch.ray_member_argv)
+        if not containers:
+            self.check_ray()
         started: list[tuple[SshLauncher, str]] = []
         try:
             gcs_port = self.head.allocate_port()
@@ -128,26 +147,31 @@ class RayLauncher:
                 replica_id,
                 "ray-head",
                 ["--head", "--port", str(gcs_port), "--include-dashboard=false"],
+                launch,
             )
             self.head.start_unit(head_unit)
             started.append((self.head, head_unit.name))
-            self.wait_joined(address, 1)
+            head_container = head_unit.name.removesuffix(".service") if containers else None
+            self.wait_joined(address, 1, container=head_container)
             for stage in self.stages[1:]:
-                unit = self._ray_unit(stage, replica_id, "ray-worker", ["--address", address])
+                unit = self._ray_unit(stage, replica_id, "ray-worker", ["--address", address], launch)
                 stage.start_unit(unit)
                 started.append((stage, unit.name))
-            self.wait_joined(address, len(self.stages))
+            self.wait_joined(address, len(self.stages), container=head_container)
 
-            argv = list(launch.argv)
-            if "--pipeline-parallel-size" in argv and "--distributed-executor-backend" not in argv:
-                argv += ["--distributed-executor-backend", "ray"]
-            engine = self.head.engine_unit(
-                replica_id,
-                launch.model_copy(update={"argv": argv}),
-                extra_env={"RAY_ADDRESS": address, **self._nic_env(self.head)},
-                # The engine is a Ray driver: it needs the head's session files in the head's /tmp.
-                joins=head_unit.name,
-            )
+            driver_env = {"RAY_ADDRESS": address, **self._nic_env(self.head)}
+            if containers:
+                # The driver is a container too: its environment goes in as --env, not the unit's.
+                argv = _with_container_env(list(launch.argv), driver_env)
+                engine = self.head.engine_unit(replica_id, launch.model_copy(update={"argv": argv}))
+            else:
+                engine = self.head.engine_unit(
+                    replica_id,
+                    launch.model_copy(update={"argv": ray_engine_argv(launch.argv)}),
+                    extra_env=driver_env,
+                    # The engine is a Ray driver: it needs the head's session files in the head's /tmp.
+                    joins=head_unit.name,
+                )
             handle = self.head.start_unit(engine, launch)
             started.append((self.head, engine.name))
         except BaseException as exc:
@@ -167,9 +191,16 @@ class RayLauncher:
             "ray_address": address,
         }
 
-    def _ray_unit(self, stage: SshLauncher, replica_id: str, role: str, args: list[str]) -> UnitSpec:
-        argv = [
-            self._ray(stage),
+    def _ray_unit(
+        self, stage: SshLauncher, replica_id: str, role: str, args: list[str], launch: EngineLaunch
+    ) -> UnitSpec:
+        """A cluster member; on a GPU plan it offers exactly its stage's GPUs (and sees only those)."""
+        gpus = launch.stage_gpus.get(stage.node.name)
+        env = self._nic_env(stage)
+        if gpus:
+            args = [*args, "--num-gpus", str(len(gpus))]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        start = [
             "start",
             "--block",  # stay in the foreground, so systemd supervises the cluster member
             "--node-ip-address",
@@ -179,13 +210,25 @@ class RayLauncher:
             str(self.object_store_bytes),
             *args,
         ]
-        launch = EngineLaunch(argv=argv, env=self._nic_env(stage), port=1)
-        return stage.engine_unit(replica_id, launch, role=role)
+        if not launch.ray_member_argv:
+            member = EngineLaunch(argv=[self._ray(stage), *start], env=env, port=1)
+            return stage.engine_unit(replica_id, member, role=role)
+        if not gpus:
+            raise LaunchError(f"node {stage.node.name}: the plan gives replica {replica_id} no GPUs there")
+        name = unit_name(replica_id, role).removesuffix(".service")
+        template = [
+            a.replace("{name}", name).replace("{gpus}", ",".join(gpus)) for a in launch.ray_member_argv
+        ]
+        env.pop("CUDA_VISIBLE_DEVICES")  # inside the container, --gpus already shows only these
+        argv = _with_container_env(template, env) + start
+        return stage.engine_unit(replica_id, EngineLaunch(argv=argv, port=1, container_name=name), role=role)
 
-    def wait_joined(self, address: str, count: int) -> None:
-        """Wait until ``ray status`` lists ``count`` alive nodes; a dead unit fails at once."""
+    def wait_joined(self, address: str, count: int, *, container: str | None = None) -> None:
+        """Wait until ``ray status`` lists ``count`` alive nodes (asked inside the head member's container
+        for container engines)."""
         deadline = self._clock() + self.join_timeout
-        cmd = shlex.join([self._ray(self.head), "status", "--address", address])
+        ray = ["docker", "exec", container, "ray"] if container else [self._ray(self.head)]
+        cmd = shlex.join([*ray, "status", "--address", address])
         last = ""
         while True:
             res = self.head.run(f"HOME=/tmp {cmd}", check=False, timeout=60)
@@ -249,6 +292,13 @@ class RayLauncher:
                 continue
             for line in stage.logs({"unit": unit}, tail=min(tail, 40)):
                 yield f"[{unit} on {node}] {line}"
+
+
+def _with_container_env(argv: list[str], env: dict[str, str]) -> list[str]:
+    """``docker run`` argv with ``--env K=V`` added before ``--entrypoint`` (or the image)."""
+    at = argv.index("--entrypoint") if "--entrypoint" in argv else len(argv) - 1
+    flags = [a for key, value in sorted(env.items()) for a in ("--env", f"{key}={value}")]
+    return [*argv[:at], *flags, *argv[at:]]
 
 
 def _order(handle: dict[str, str]) -> list[tuple[str, str]]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from controlplane.catalog import MemoryEstimate, estimate, lora_budget
+from controlplane.catalog import MemoryEstimate, draft_model, estimate, lora_budget
 from controlplane.catalog.compat import CompatTable, Generation, load_compat
 from controlplane.errors import UserError
 from controlplane.placement._index import LINK_NAMES, NVLINK, FleetIndex, GpuType, Slot
@@ -74,17 +74,19 @@ class _Job:
     quant: Quantization
     key: tuple[object, ...]
     """Everything the memory estimate depends on, so equal deployments share cached estimates."""
+    draft: ModelSpec | None = None
 
 
 def _job(spec: DeploymentSpec, model: ModelSpec, length: int, quant: Quantization) -> _Job:
     mnbt = spec.engine_args.get("max_num_batched_tokens")
     tokens = mnbt if isinstance(mnbt, int) and not isinstance(mnbt, bool) else None
+    draft = draft_model(spec)
     key = (
         model.name, model.num_params, model.num_layers, spec.tp, quant, length, spec.concurrency,
         spec.gpu_memory_utilization, spec.dtype, spec.kv_cache_dtype,
-        tuple(sorted(lora_budget(spec).items())), tokens,
+        tuple(sorted(lora_budget(spec).items())), draft and draft.model_dump_json(), tokens,
     )  # fmt: skip
-    return _Job(spec, model, length, quant, key)
+    return _Job(spec, model, length, quant, key, draft)
 
 
 @dataclass(slots=True)
@@ -510,6 +512,7 @@ class Planner:
                 concurrency=spec.concurrency,
                 gpu_memory_utilization=spec.gpu_memory_utilization,
                 max_num_batched_tokens=job.key[-1],  # type: ignore[arg-type]
+                draft=job.draft,
                 **lora_budget(spec),
             )
             self._estimates[key] = hit

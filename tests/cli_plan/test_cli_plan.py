@@ -102,6 +102,23 @@ def test_explain_prints_the_arithmetic(capsys: pytest.CaptureFixture[str]) -> No
     assert "note: not chosen: across nodes: 1 GeForce RTX 3080 node(s) have 2 free GPUs; tp=2 pp=14" in out
 
 
+def test_explain_counts_a_draft_model_and_lora_slots_as_deploy_would(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from controlplane.weights.tiny import generate_tiny_model
+
+    draft = generate_tiny_model(tmp_path / "draft")
+    adapter = f"sql={tmp_path / 'sql'}"  # plan reads no adapter files: only the slot budget counts
+    args = ["llama-70b", "--tp", "2", "-i", INVENTORY, "--explain", "--lora-module", adapter]
+    code, out, err = run(capsys, *args, "--speculative-config", f"draft:{draft}:3")
+    assert code == 0, err
+    assert "draft weights" in out and "(speculative draft draft, split by tp=2)" in out
+    assert "draft KV per token   512 B on this GPU" in out  # 2 × 2 layers × 2 kv heads / tp 2 × 64 × 2 B
+    assert "LoRA slots" in out
+    code, out, err = run(capsys, "llama-70b", "-i", INVENTORY, "--speculative-config", "draft:/nowhere")
+    assert code == 6 and "draft model '/nowhere' has no config.json" in err  # WeightsError
+
+
 def test_quantization_auto_says_which_and_why(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["llama-3.1-405b", "--tp", "8", "--replicas", "2", "--quantization", "auto", "-i", INVENTORY]
     code, out, _ = run(capsys, *args)

@@ -118,6 +118,7 @@ class PathsEngine:
 
     kind = EngineKind.SIM
     needs_weights = False
+    multi_node = False
 
     def __init__(self, probes: ProbePaths) -> None:
         self.probes = probes

@@ -8,6 +8,8 @@ named per run through ``SARV_MOLECULE_INSTANCE`` (.config/molecule/config.yml) s
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
 import sys
@@ -114,6 +116,71 @@ def _render(tmp_path: Path, role: str, template: str, extra_vars: dict[str, obje
     return dest.read_text()
 
 
+# Grafana's documented provisioning format (grafana.com/docs/grafana/latest/administration/provisioning/):
+# the keys each file and entry may have. Grafana ignores unknown keys silently, so a typo would only show
+# as a data source or folder that never appears; this keeps the role's files to the documented keys.
+_GRAFANA_DATASOURCE_FILE = {"apiVersion", "datasources", "deleteDatasources", "prune"}
+_GRAFANA_DATASOURCE = {
+    "name", "type", "access", "orgId", "uid", "url", "user", "database", "basicAuth", "basicAuthUser",
+    "withCredentials", "isDefault", "jsonData", "secureJsonData", "version", "editable",
+}  # fmt: skip
+_GRAFANA_PROMETHEUS_JSON_DATA = {
+    "httpMethod", "manageAlerts", "prometheusType", "prometheusVersion", "cacheLevel", "incrementalQuerying",
+    "incrementalQueryOverlapWindow", "disableRecordingRules", "defaultEditor", "disableMetricsLookup",
+    "exemplarTraceIdDestinations", "timeInterval", "queryTimeout", "customQueryParameters", "tlsAuth",
+    "tlsAuthWithCACert", "tlsSkipVerify", "oauthPassThru", "keepCookies",
+}  # fmt: skip
+_GRAFANA_PROVIDER_FILE = {"apiVersion", "providers"}
+_GRAFANA_PROVIDER = {
+    "name", "orgId", "folder", "folderUid", "type", "disableDeletion", "updateIntervalSeconds",
+    "allowUiUpdates", "options",
+}  # fmt: skip
+_GRAFANA_FILE_PROVIDER_OPTIONS = {"path", "foldersFromFilesStructure"}
+
+
+def test_grafana_datasource_provisioning_follows_grafanas_format(tmp_path: Path) -> None:
+    text = _render(
+        tmp_path,
+        "grafana",
+        "provisioning.yml.j2",
+        {
+            "_grafana_document": "{{ _grafana_datasources }}",
+            "grafana_prometheus_url": "http://10.20.0.101:9090",
+        },
+    )
+    doc = yaml.safe_load(text)
+    assert set(doc) <= _GRAFANA_DATASOURCE_FILE and doc["apiVersion"] == 1
+    (source,) = doc["datasources"]
+    assert set(source) <= _GRAFANA_DATASOURCE, set(source) - _GRAFANA_DATASOURCE
+    assert source["type"] == "prometheus" and source["access"] in {"proxy", "direct"}
+    assert source["url"] == "http://10.20.0.101:9090"
+    assert isinstance(source["isDefault"], bool) and isinstance(source["editable"], bool)
+    assert set(source["jsonData"]) <= _GRAFANA_PROMETHEUS_JSON_DATA, set(source["jsonData"])
+    assert re.fullmatch(r"\d+[smh]", source["jsonData"]["timeInterval"])
+    # The dashboards pick it through their $datasource variable, which lists data sources of this type.
+    for board in sorted((REPO / "dashboards").glob("sarv-*.json")):
+        variables = json.loads(board.read_text())["templating"]["list"]
+        assert {"type": "datasource", "query": source["type"]}.items() <= variables[0].items(), board.name
+
+
+def test_grafana_dashboard_provider_follows_grafanas_format(tmp_path: Path) -> None:
+    text = _render(
+        tmp_path,
+        "grafana",
+        "provisioning.yml.j2",
+        {"_grafana_document": "{{ _grafana_dashboard_providers }}"},
+    )
+    doc = yaml.safe_load(text)
+    assert set(doc) <= _GRAFANA_PROVIDER_FILE and doc["apiVersion"] == 1
+    (provider,) = doc["providers"]
+    assert set(provider) <= _GRAFANA_PROVIDER, set(provider) - _GRAFANA_PROVIDER
+    assert provider["type"] == "file" and isinstance(provider["orgId"], int)
+    assert isinstance(provider["updateIntervalSeconds"], int) and provider["updateIntervalSeconds"] >= 10
+    assert isinstance(provider["disableDeletion"], bool) and isinstance(provider["allowUiUpdates"], bool)
+    assert set(provider["options"]) <= _GRAFANA_FILE_PROVIDER_OPTIONS
+    assert provider["options"]["path"].startswith("/"), "the file provider needs an absolute directory"
+
+
 @pytest.mark.prometheus
 def test_prometheus_config_for_the_example_fleet_passes_promtool(tmp_path: Path) -> None:
     promtool = need_binary("promtool")
@@ -136,6 +203,9 @@ def test_prometheus_config_for_the_example_fleet_passes_promtool(tmp_path: Path)
     jobs = {j["job_name"]: j for j in yaml.safe_load(text)["scrape_configs"]}
     # every host of the example inventory gets a node target; GPU nodes a DCGM target
     node_targets = [sc["labels"]["instance"] for sc in jobs["node"]["static_configs"]]
+    # node exporter and DCGM series carry the host's inventory name as `node`, like replica targets
+    for job in ("node", "dcgm"):
+        assert all(sc["labels"]["node"] == sc["labels"]["instance"] for sc in jobs[job]["static_configs"])
     assert sorted(node_targets) == sorted(
         ["gpu-a1", "gpu-a2", "gpu-b1", "gpu-b2", "gpu-c1", "svc-1", "svc-2", "svc-3"]
     )

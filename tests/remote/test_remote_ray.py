@@ -68,6 +68,9 @@ def test_pp2_replica_runs_a_joined_ray_cluster_across_two_hosts_and_tears_it_dow
     assert address.startswith(f"{h0.ip}:")
     status = h1.exec(f"cd /tmp && HOME=/tmp {_ray_bin()} status --address {address}", timeout=120).stdout
     assert ray_active_nodes(status) == 2, status
+    # Each member offers exactly its stage's declared GPU, so the cluster has 2 (Ray counts what it is
+    # told; vLLM's Ray executor places one worker per GPU bundle).
+    assert re.search(r"/2\.0 GPU", status), status
 
     engine = h0.exec("cat /etc/systemd/system/sarv-pipe-0.service").stdout
     assert f'Environment="RAY_ADDRESS={address}"' in engine
@@ -78,6 +81,7 @@ def test_pp2_replica_runs_a_joined_ray_cluster_across_two_hosts_and_tears_it_dow
     worker = h1.exec("cat /etc/systemd/system/sarv-pipe-0-ray-worker.service").stdout
     assert re.search(rf'"--address" "{re.escape(address)}"', worker)
     assert f'"--node-ip-address" "{h1.ip}"' in worker
+    assert '"--num-gpus" "1"' in worker and 'Environment="CUDA_VISIBLE_DEVICES=' in worker
     for text in (engine, worker):
         assert "NoNewPrivileges=yes" in text and "ProtectSystem=strict" in text and "DynamicUser=yes" in text
 

@@ -15,7 +15,7 @@ from controlplane.catalog import Catalog
 from controlplane.catalog.compat import CompatTable, load_compat
 from controlplane.cli.main import main
 from controlplane.controller import Deployer, default_engines
-from controlplane.errors import UserError
+from controlplane.errors import LaunchError, UserError
 from controlplane.placement import plan
 from controlplane.settings import Settings, load_settings
 from controlplane.spec import (
@@ -153,6 +153,7 @@ def test_the_engine_runs_the_plans_pp_variant_dtype_and_image(
     argv = launch.argv
     assert _flag(argv, "--pipeline-parallel-size") == "2" and _flag(argv, "--tensor-parallel-size") == "1"
     assert _flag(argv, "--gpus") == '"device=0,1"'
+    assert launch.stage_gpus == {"a100-1": ["0", "1"]}  # what a Ray group offers per node (--num-gpus)
     assert _flag(argv, "--quantization") == "fp8" and _flag(argv, "--dtype") == "bfloat16"
     assert f"vllm/vllm-openai:{load_compat().by_name('ampere').image.tag}" in argv
     assert [c for launcher in gpu_fleet for c in launcher.copied] == [fp8]  # the fp8 variant's weights
@@ -245,3 +246,62 @@ def test_a_replica_spanning_generations_with_different_images_is_refused_first(t
         deployer.deploy(spec, wait=False)
     assert not launchers and store.list_deployments() == []
     store.close()
+
+
+def _two_node_deployer(tmp_path: Path, *, group: bool) -> tuple[Deployer, list[RecordingLauncher]]:
+    fleet = Fleet(nodes=[gpu_node(n, "A100-SXM4-80GB", 8, 81920, nvlink=True) for n in ("a100-1", "a100-2")])
+    settings = Settings(home=tmp_path / "home")
+    launchers: list[RecordingLauncher] = []
+
+    def factory(node: Node) -> RecordingLauncher:
+        launchers.append(RecordingLauncher(node))
+        return launchers[-1]
+
+    deployer = Deployer(
+        settings=settings,
+        store=open_store(f"sqlite:///{tmp_path / 'state.db'}", settings),
+        fleet=fleet,
+        catalog=CAT,
+        planner=plan,
+        launcher_factory=factory,
+        # The Ray group launcher, recorded: what it is asked to copy and start on the head's behalf.
+        group_launcher_factory=(lambda nodes: factory(nodes[0])) if group else None,
+        engines=default_engines(settings),
+    )
+    return deployer, launchers
+
+
+def test_a_replica_spanning_two_nodes_runs_as_a_ray_cluster_of_engine_containers(tmp_path: Path) -> None:
+    deployer, launchers = _two_node_deployer(tmp_path, group=True)
+    # 405B bf16 at tp=8 needs two 8-GPU A100 nodes: pp=2, one stage per node.
+    spec = DeploymentSpec(name="big", model="llama-3.1-405b", tp=8, max_model_len=4096,
+                          engine=EngineKind.VLLM, source=_weights(tmp_path / "bf16"))  # fmt: skip
+    deployer.deploy(spec, wait=False)
+    [launch] = [x for launcher in launchers for x in launcher.launches]
+    assert launch.stage_gpus == {"a100-1": [str(g) for g in range(8)], "a100-2": [str(g) for g in range(8)]}
+    argv = launch.argv
+    # The server: the Ray driver, on the head member's host network, IPC and session volume, no GPUs.
+    assert _flag(argv, "--ipc") == "container:sarv-big-0-ray-head" and _flag(argv, "--network") == "host"
+    assert _flag(argv, "--volumes-from") == "sarv-big-0-ray-head"
+    assert "--gpus" not in argv and "--publish" not in argv and "--privileged" not in " ".join(argv)
+    assert _flag(argv, "--pipeline-parallel-size") == "2" and _flag(argv, "--tensor-parallel-size") == "8"
+    assert _flag(argv, "--distributed-executor-backend") == "ray"
+    assert (_flag(argv, "--host"), _flag(argv, "--port")) == ("a100-1", "8100")  # the node's address
+    # Each member: the same image running `ray …`, with its stage's GPUs filled in by the launcher.
+    member = launch.ray_member_argv
+    assert member[-2:] == ["ray", f"vllm/vllm-openai:{load_compat().by_name('ampere').image.tag}"]
+    assert _flag(member, "--gpus") == '"device={gpus}"' and _flag(member, "--name") == "{name}"
+    assert _flag(member, "--network") == "host" and "no-new-privileges:true" in member
+    assert [c for launcher in launchers for c in launcher.copied] == [spec.source]
+    deployer.store.close()
+
+
+def test_without_a_group_launcher_a_two_node_replica_is_refused_before_any_copy(tmp_path: Path) -> None:
+    deployer, launchers = _two_node_deployer(tmp_path, group=False)
+    spec = DeploymentSpec(name="big", model="llama-3.1-405b", tp=8, max_model_len=4096,
+                          engine=EngineKind.VLLM, source=_weights(tmp_path / "bf16"))  # fmt: skip
+    with pytest.raises(LaunchError, match="the plan spans nodes a100-1, a100-2"):
+        deployer.deploy(spec, wait=False)
+    assert all(not x.copied and not x.launches for x in launchers)
+    assert deployer.store.list_deployments() == [] and deployer.store.list_replicas() == []
+    deployer.store.close()

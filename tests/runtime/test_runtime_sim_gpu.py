@@ -60,8 +60,7 @@ def test_weights_of_another_variant_are_refused(tmp_path: Path) -> None:
     (tmp_path / "bf16").mkdir()
     bf16 = _weights(tmp_path / "bf16", {"torch_dtype": "bfloat16"})
     _check(["--model", bf16, "--dtype", "bfloat16"])
-    with pytest.raises(GpuCheckError, match=r"are bfloat16 .* but dtype float16 was requested"):
-        _check(["--model", bf16, "--dtype", "float16"])
+    _check(["--model", bf16, "--dtype", "float16"])  # vLLM casts unquantized weights, warning only
     with pytest.raises(GpuCheckError, match=r"model config \(none\) does not match .* argument \(int8\)"):
         _check(["--model", bf16, "--quantization", "int8"])
 

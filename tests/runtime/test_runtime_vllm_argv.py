@@ -25,10 +25,12 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
+from controlplane.catalog import Catalog
 from controlplane.catalog.compat import load_compat
 from controlplane.engines.vllm import VllmEngine
 from controlplane.engines.vllm_cpu import VllmCpuEngine
 from controlplane.errors import LaunchError
+from controlplane.launchers.ray import ray_engine_argv
 from controlplane.spec import DeploymentSpec, EngineKind, Shard
 
 _IMAGE = "vllm/vllm-openai:v" + load_compat().vllm_version
@@ -56,6 +58,9 @@ LORA = [
 ]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 DRAFT = {"model": "/models/llama-3.2-1b", "num_speculative_tokens": 5}
+TOOL_PARSERS = sorted({
+    p for p in (Catalog.load().get(n).tool_call_parser for n in Catalog.load().names()) if p is not None
+})  # fmt: skip
 
 # fmt: off
 CASES = [
@@ -63,8 +68,10 @@ CASES = [
     Case("tp2", {"tp": 2}, {"tensor_parallel_size": 2}),
     Case("tp8", {"tp": 8}, {"tensor_parallel_size": 8}),
     Case("tp2-pp2-one-node", {"tp": 2, "pp": 2}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
-    Case("tp8-pp2-two-nodes", {"tp": 8, "pp": 2}, {"pipeline_parallel_size": 2}, nodes=2,
-         refused="spans nodes"),
+    Case("tp8-pp2-two-nodes", {"tp": 8, "pp": 2}, {"pipeline_parallel_size": 2, "distributed_executor_backend": "ray"},
+         nodes=2),
+    Case("tp4-pp4-two-nodes-fp8-lora", {"tp": 4, "pp": 4, "quantization": "fp8", "lora_adapters": LORA},
+         {"pipeline_parallel_size": 4, "distributed_executor_backend": "ray", "enable_lora": True}, nodes=2),
     Case("fp8", {"quantization": "fp8"}, {"quantization": "fp8"}),
     Case("awq-fp16", {"quantization": "awq", "dtype": "float16"}, {"quantization": "awq", "dtype": "float16"}),
     Case("gptq", {"quantization": "gptq"}, {"quantization": "gptq"}),
@@ -96,9 +103,19 @@ CASES = [
          engine=EngineKind.VLLM_CPU),
     Case("cpu-spec-ngram", {"engine": "vllm-cpu", "speculative": NGRAM}, {"speculative_config": NGRAM},
          engine=EngineKind.VLLM_CPU),
+    # Pipeline stages on two nodes: the CPU engine as the Ray launcher's head runs it.
+    Case("cpu-pp2-two-nodes", {"engine": "vllm-cpu", "pp": 2},
+         {"pipeline_parallel_size": 2, "distributed_executor_backend": "ray"}, engine=EngineKind.VLLM_CPU, nodes=2),
+    # Tool calling: every parser the catalog names, as the server looks it up at start-up.
+    *[Case(f"tools-{parser}", {"tools": True}, {"enable_auto_tool_choice": True, "tool_call_parser": parser})
+      for parser in TOOL_PARSERS],
+    Case("cpu-tools", {"engine": "vllm-cpu", "tools": True}, {"enable_auto_tool_choice": True},
+         engine=EngineKind.VLLM_CPU),
     # The harness itself: command lines vLLM must refuse.
     Case("bad-misspelt-option", {"engine_args": {"max_num_seqz": 8}}, refused="unrecognized arguments: --max-num-seqz"),
     Case("bad-kv-dtype", {"kv_cache_dtype": "fp9"}, refused="--kv-cache-dtype"),
+    Case("bad-tool-parser", {"tools": True, "engine_args": {"x_tool_parser": "llama9_json"}},
+         refused="Tool parser 'llama9_json' not found"),
 ]
 # fmt: on
 
@@ -119,7 +136,13 @@ def _build(case: Case) -> tuple[list[str], list[str]]:
     """The full argv and the server arguments cut out of it."""
     from controlplane.engines.base import ReplicaContext
 
-    spec = DeploymentSpec.model_validate({"name": "argv", "model": "llama-3.1-8b", **case.spec})
+    fields = dict(case.spec)
+    args = dict(fields.pop("engine_args", {}))
+    # The parser comes from the catalog (tools-<parser> cases) or, for the refusal case, a made-up one.
+    parser = args.pop("x_tool_parser", case.expect.get("tool_call_parser", "llama3_json"))
+    spec = DeploymentSpec.model_validate(
+        {"name": "argv", "model": "llama-3.1-8b", **fields, "engine_args": args}
+    )
     pp = spec.pp or 1
     shards = _shards(spec.tp, pp, case.nodes)
     gpus = [str(g) for s in shards if s.node == shards[0].node for g in s.gpus]
@@ -135,6 +158,7 @@ def _build(case: Case) -> tuple[list[str], list[str]]:
         api_key=SecretStr(_API_KEY),
         env_file=Path("/run/sarv/argv-0.env"),
         python="/opt/sarv/venv/bin/python",
+        tool_call_parser=parser if spec.tools else None,
     )
     if case.engine is EngineKind.VLLM:
         launch = VllmEngine(image=_IMAGE).build(ctx)
@@ -142,6 +166,8 @@ def _build(case: Case) -> tuple[list[str], list[str]]:
     else:
         launch = VllmCpuEngine().build(ctx)
         start = 1
+    if case.nodes > 1:  # the Ray launcher's head runs it with Ray's executor
+        launch = launch.model_copy(update={"argv": ray_engine_argv(launch.argv)})
     assert launch.argv[start : start + 2] == _MODULE, launch.argv
     assert _API_KEY not in " ".join(launch.argv), "the engine key is in the argv"
     assert launch.secret_env["VLLM_API_KEY"].get_secret_value() == _API_KEY
@@ -199,7 +225,9 @@ def test_vllm_parses_the_argv_sarv_builds(case: Case, parsed: dict[str, Any]) ->
     assert ns["api_key"] is None  # the key travels as VLLM_API_KEY, never as --api-key
     if case.engine is EngineKind.VLLM:
         assert ns["model"] == "/models/llama-3.1-8b"
-        assert (ns["host"], ns["port"]) == ("0.0.0.0", 8000)
+        # One node: inside the container behind --publish; several: on the node's address (host network).
+        want = ("0.0.0.0", 8000) if case.nodes == 1 else ("10.0.0.1", 8101)
+        assert (ns["host"], ns["port"]) == want
         assert ns["gpu_memory_utilization"] == spec.gpu_memory_utilization
     else:
         assert ns["model"] == "/var/lib/sarv/models/llama-3.1-8b"

@@ -29,6 +29,7 @@ def _plain(value: Any) -> Any:
 def main() -> int:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.tool_parsers import ToolParserManager
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     argvs = json.load(sys.stdin)
@@ -41,6 +42,8 @@ def main() -> int:
                 ns = parser.parse_args(argv)
             validate_parsed_serve_args(ns)
             AsyncEngineArgs.from_cli_args(ns)
+            if ns.tool_call_parser:  # what the server looks up at start-up (KeyError when unknown)
+                ToolParserManager.get_tool_parser(ns.tool_call_parser)
         except SystemExit:
             lines = [ln for ln in err.getvalue().splitlines() if "error" in ln]
             out.append({"ok": False, "error": lines[-1] if lines else err.getvalue()[-500:]})
