@@ -125,7 +125,7 @@ def check_prerequisites(peers: bool, litellm: bool = True) -> dict[str, str]:
     return tools
 
 
-# --tenants: every level's limits (far above the load), prices, and the access log to a file.
+# --tenants: every level's limits (far above the load) and prices.
 _TEAM = {"rpm": 10_000_000, "tpm": 1_000_000_000, "daily_tokens": 10**12, "monthly_tokens": 10**13}
 _GATEWAY_CONFIG = {
     "organisation": {**_TEAM, "max_prompt_tokens": 4096},
@@ -164,26 +164,30 @@ def start_targets(
         cpu=core(1),
     )
     time.sleep(0.5)
-    env, key = make_state(
-        tmp,
-        [("m1-0", MODEL, sim_url)],
-        redis_url=f"redis://127.0.0.1:{redis_port}/0",
-        key_limits={"rpm": 10_000_000, "tpm": 1_000_000_000},
-        team=_TEAM if tenants else None,
-    )
-    port = free_port()
-    argv = [PY, "-m", "controlplane.cli.main", "gateway", "--port", str(port)]
-    if tenants:
-        config = {**_GATEWAY_CONFIG, "access_log": {"enabled": True, "path": str(tmp / "access.jsonl")}}
-        (tmp / "gateway.yaml").write_text(json.dumps(config))
-        argv += ["--config", str(tmp / "gateway.yaml")]
-    p = procs.start("sarv", argv, cpu=core(1), env=env)
-    wait_http(f"http://127.0.0.1:{port}/health")
-    targets["sarv"] = {
-        "url": f"http://127.0.0.1:{port}",
-        "pid": p.pid,
-        "headers": {"Authorization": f"Bearer {key}"},
-    }
+    # --tenants: a second Sarv beside the plain one, in the same run: its key in a team, organisation
+    # limits and prices (usage accounting is always on), the access log to a file; own Redis db.
+    variants = [("sarv", 0, False)] + ([("sarv-tenants", 1, True)] if tenants else [])
+    for name, db, on in variants:
+        env, key = make_state(
+            tmp,
+            [("m1-0", MODEL, sim_url)],
+            redis_url=f"redis://127.0.0.1:{redis_port}/{db}",
+            key_limits={"rpm": 10_000_000, "tpm": 1_000_000_000},
+            team=_TEAM if on else None,
+        )
+        port = free_port()
+        argv = [PY, "-m", "controlplane.cli.main", "gateway", "--port", str(port)]
+        if on:
+            config = {**_GATEWAY_CONFIG, "access_log": {"enabled": True, "path": str(tmp / "access.jsonl")}}
+            (tmp / "gateway.yaml").write_text(json.dumps(config))
+            argv += ["--config", str(tmp / "gateway.yaml")]
+        p = procs.start(name, argv, cpu=core(1), env=env)
+        wait_http(f"http://127.0.0.1:{port}/health")
+        targets[name] = {
+            "url": f"http://127.0.0.1:{port}",
+            "pid": p.pid,
+            "headers": {"Authorization": f"Bearer {key}"},
+        }
 
     port = free_port()
     conf = nginx_conf(tmp, port, sim_url)
@@ -414,7 +418,7 @@ def main() -> None:
     ap.add_argument(
         "--tenants",
         action="store_true",
-        help="Sarv's key in a team, organisation limits, prices and the access log on",
+        help="also a second Sarv with its key in a team, organisation limits, prices and the access log",
     )
     ap.add_argument("--output", default=None, help="results name (default: overhead-<profile>)")
     args = ap.parse_args()
