@@ -9,6 +9,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable
+from typing import NoReturn
 
 from controlplane.errors import StateError
 from controlplane.gateway.asgi import Scope
@@ -111,6 +112,7 @@ class Admission:
         self._metrics = metrics
         self._clock = clock
         self._store_warned_at = -1e18
+        self._levels: dict[str, tuple[ApiKeyRecord, TeamRecord | None, tuple[Level, ...]]] = {}
         self._gates: dict[str, Gate] = {}
 
     async def authenticate(self, scope: Scope) -> ApiKeyRecord:
@@ -149,6 +151,23 @@ class Admission:
 
     async def levels(self, record: ApiKeyRecord) -> tuple[Level, ...]:
         """The levels a key's requests are admitted by: the key, its team (if any) and the organisation."""
+        team: TeamRecord | None = None
+        if record.team:
+            try:
+                team = await self._teams.get(record.team)
+            except StateError as exc:
+                self._store_unavailable(exc)
+        # Built once per key and team record (the caches hand out the same objects until they expire).
+        hit = self._levels.get(record.key_hash)
+        if hit is not None and hit[0] is record and hit[1] is team:
+            return hit[2]
+        levels = self._build_levels(record, team)
+        if len(self._levels) >= 10_000:
+            self._levels.clear()
+        self._levels[record.key_hash] = (record, team, levels)
+        return levels
+
+    def _build_levels(self, record: ApiKeyRecord, team: TeamRecord | None) -> tuple[Level, ...]:
         key = Level(
             "key",
             record.name,
@@ -158,17 +177,11 @@ class Admission:
             tuple(record.models),
             record.max_prompt_tokens,
         )
-        if not record.team:
-            return (key, *self._org)
-        try:
-            team = await self._teams.get(record.team)
-        except StateError as exc:
-            self._store_unavailable(exc)
-        if team is None:  # deleted while a key still names it: nothing to enforce at that level
+        if team is None:  # no team, or one deleted while a key still names it: nothing at that level
             return (key, *self._org)
         return (key, _team_level(team), *self._org)
 
-    def _store_unavailable(self, exc: StateError) -> None:
+    def _store_unavailable(self, exc: StateError) -> NoReturn:
         # The error names the store (redacted): that is for the log; the client learns only the outage.
         if self._clock() - self._store_warned_at >= 10.0:  # one line per 10 s, not one per request
             self._store_warned_at = self._clock()

@@ -24,13 +24,13 @@ from controlplane.gateway.discovery import Discovery
 from controlplane.gateway.errors import ApiError
 from controlplane.gateway.guardrails import Guardrails
 from controlplane.gateway.metrics import GatewayMetrics
-from controlplane.gateway.ratelimit import InProcessLimiter, RateLimiter
+from controlplane.gateway.ratelimit import InProcessLimiter, Level, RateLimiter
 from controlplane.gateway.requests import ENDPOINTS, RequestChecks, prompt_parts
 from controlplane.gateway.routing import Router
 from controlplane.gateway.schemas import ModelCard, ModelList, openapi_document
 from controlplane.gateway.upstream import Job, Upstream, trace_headers
 from controlplane.gateway.usage import AccessLog, UsageRecorder
-from controlplane.state.base import ApiKeyRecord, StateStore
+from controlplane.state.base import StateStore
 
 # A raw ASGI callable rather than a framework: the hot path is one dict lookup per stage and the body bytes
 # go upstream untouched (no re-serialisation), to keep the per-request CPU small.
@@ -197,11 +197,11 @@ class GatewayApp:
             await respond(send, 200, self._openapi or json.dumps(openapi_document()).encode())
         elif path == "/v1/models":
             try:
-                record = await self.admission.authenticate(scope)
+                levels = await self.admission.levels(await self.admission.authenticate(scope))
             except ApiError as exc:
                 await respond_error(send, exc)
                 return
-            await respond(send, 200, self._model_list(record))
+            await respond(send, 200, self._model_list(levels))
         elif path.startswith("/v1/models/"):
             await self._model_card(scope, send, path[len("/v1/models/") :])
         else:
@@ -210,11 +210,11 @@ class GatewayApp:
     async def _model_card(self, scope: Scope, send: Send, model: str) -> None:
         """``GET /v1/models/{id}``: one model or adapter card, as in the list the key sees."""
         try:
-            record = await self.admission.authenticate(scope)
+            levels = await self.admission.levels(await self.admission.authenticate(scope))
         except ApiError as exc:
             await respond_error(send, exc)
             return
-        for card in ModelList.model_validate_json(self._model_list(record)).data:
+        for card in ModelList.model_validate_json(self._model_list(levels)).data:
             if card.id == model:
                 await respond(send, 200, card.model_dump_json(exclude_none=True).encode())
                 return
@@ -223,10 +223,11 @@ class GatewayApp:
             ApiError(404, f"the model '{model}' does not exist", param="model", code="model_not_found"),
         )
 
-    def _model_list(self, record: ApiKeyRecord) -> bytes:
+    def _model_list(self, levels: tuple[Level, ...]) -> bytes:
+        """The models every level (key, team, organisation) allows."""
         cards: list[ModelCard] = []
         for name, views in sorted(self.router.models().items()):
-            if record.models and name not in record.models:
+            if any(level.models and name not in level.models for level in levels):
                 continue
             base = views[0].model
             cards.append(

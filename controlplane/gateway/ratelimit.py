@@ -425,6 +425,7 @@ class RedisLimiter:
         self._warned_at = -1e18
         self._pending: dict[tuple[str, int, int], list[int]] = {}
         self._leases: dict[str, _Lease] = {}
+        self._sizes: dict[KeyLimits, tuple[int, int]] = {}
         self._topping: dict[str, asyncio.Task[None]] = {}
         self._inflight: dict[str, asyncio.Future[None]] = {}
         self._flusher: asyncio.Task[None] | None = None
@@ -442,15 +443,21 @@ class RedisLimiter:
 
     def _lease_size(self, limits: KeyLimits, tokens: int) -> tuple[int, int] | None:
         """(requests, tokens) of a lease for this key, or None when its limits are too small for one."""
-        f = self._lease_fraction
-        if f <= 0:
+        size = self._sizes.get(limits)
+        if size is None:
+            f = self._lease_fraction
+            size_r = _UNBOUNDED if limits.rpm is None else int(limits.rpm * f)
+            token_limits = [
+                x for x in (limits.tpm, limits.daily_tokens, limits.monthly_tokens) if x is not None
+            ]
+            size_t = min(int(x * f) for x in token_limits) if token_limits else _UNBOUNDED
+            if len(self._sizes) >= 4096:  # limits change rarely; start over rather than grow
+                self._sizes.clear()
+            # (0, 0) when leases are off: too small for any request
+            size = self._sizes[limits] = (min(size_r, 1 << 31), min(size_t, 1 << 40)) if f > 0 else (0, 0)
+        if size[0] < 2 or size[1] < 2 * tokens:
             return None
-        size_r = _UNBOUNDED if limits.rpm is None else int(limits.rpm * f)
-        token_limits = [x for x in (limits.tpm, limits.daily_tokens, limits.monthly_tokens) if x is not None]
-        size_t = min(int(x * f) for x in token_limits) if token_limits else _UNBOUNDED
-        if size_r < 2 or size_t < 2 * tokens:
-            return None
-        return min(size_r, 1 << 31), min(size_t, 1 << 40)
+        return size
 
     async def admit(self, key: str, limits: KeyLimits, tokens: int, now: float) -> Decision:
         window = int(now // _WINDOW)

@@ -270,6 +270,12 @@ def test_team_and_organisation_models_and_prompt_caps(tenant_gateway):
     r = _post(gw, in_ml)
     assert r.status_code == 403
     assert "team 'ml' may not use the model 'm1'" in r.json()["error"]["message"]
+    listed = httpx.get(f"{gw.url}/v1/models", headers={"Authorization": f"Bearer {in_ml}"}).json()["data"]
+    assert listed == [], "the list shows only what every level allows"
+    card = httpx.get(f"{gw.url}/v1/models/m1", headers={"Authorization": f"Bearer {in_ml}"})
+    assert card.status_code == 404
+    listed = httpx.get(f"{gw.url}/v1/models", headers={"Authorization": f"Bearer {solo}"}).json()["data"]
+    assert [m["id"] for m in listed] == ["m1"]
     r = _post(gw, in_short, prompt="hello " * 20)
     assert r.status_code == 400
     assert "team 'short' allows at most 1" in r.json()["error"]["message"]
