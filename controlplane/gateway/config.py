@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from controlplane.errors import ConfigError, describe_validation_error
+from controlplane.state.base import LevelLimits
 
 __all__ = [
     "AccessLogConfig",
@@ -132,17 +133,9 @@ class ModelOverrides(_Model):
     completion_price_per_1k: float | None = Field(default=None, ge=0)
 
 
-class OrganisationLimits(_Model):
-    """Limits every request counts against, whichever its key and team (None: no limit). Every gateway of
-    one state store must have the same."""
-
-    models: list[str] = Field(default_factory=list)
-    """Models anyone may use; empty: all."""
-    rpm: int | None = Field(default=None, ge=1)
-    tpm: int | None = Field(default=None, ge=1)
-    daily_tokens: int | None = Field(default=None, ge=1)
-    monthly_tokens: int | None = Field(default=None, ge=1)
-    max_prompt_tokens: int | None = Field(default=None, ge=1)
+class OrganisationLimits(LevelLimits):
+    """Limits every request counts against, whichever its key and team (a team's limits, the same
+    fields). Every gateway of one state store must have the same."""
 
 
 class AccessLogConfig(_Model):

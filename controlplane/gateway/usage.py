@@ -134,11 +134,8 @@ class UsageRecorder:
                 )
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await _stop(self._task)
+        self._task = None
         await self.flush()
 
 
@@ -204,12 +201,17 @@ class AccessLog:
             logger.warning("access log: cannot write %d lines (%s)", len(lines), exc)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await _stop(self._task)
+        self._task = None
         self.flush()
         if self._own_fd and self._fd is not None:
             os.close(self._fd)
         self._fd = None
+
+
+async def _stop(task: asyncio.Task[None] | None) -> None:
+    """Cancel a flush loop between flushes (its own flush runs once more at close)."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -8,7 +8,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.spec import DeploymentRecord, ReplicaRecord
 
-__all__ = ["ApiKeyRecord", "AuditEntry", "EventRecord", "StateStore", "TeamRecord", "UsageRecord"]
+__all__ = [
+    "ApiKeyRecord",
+    "AuditEntry",
+    "EventRecord",
+    "LevelLimits",
+    "StateStore",
+    "TeamRecord",
+    "UsageRecord",
+]
 
 
 class ApiKeyRecord(BaseModel):
@@ -34,18 +42,25 @@ class ApiKeyRecord(BaseModel):
     """The team the key belongs to; None: no team (only the key's own limits apply)."""
 
 
-class TeamRecord(BaseModel):
-    """A team of keys and its limits (None: no limit at this level)."""
+class LevelLimits(BaseModel):
+    """The limits of a team or the organisation (None: no limit of that kind)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     models: list[str] = Field(default_factory=list)
+    """Allowed models; empty: all."""
     rpm: int | None = Field(default=None, ge=1)
     tpm: int | None = Field(default=None, ge=1)
     daily_tokens: int | None = Field(default=None, ge=1)
     monthly_tokens: int | None = Field(default=None, ge=1)
+    """Tokens per UTC calendar month."""
     max_prompt_tokens: int | None = Field(default=None, ge=1)
+
+
+class TeamRecord(LevelLimits):
+    """A team of keys and its limits."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     created_at: float = 0.0
 
 
