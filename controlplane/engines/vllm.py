@@ -22,7 +22,8 @@ class VllmEngine:
 
     Hardening: no ``--privileged``, an SELinux type label, ``no-new-privileges``, weights mounted
     read-only, a restart policy and resource limits; the API key reaches the container through a 0600
-    env file, so it never appears in ``ps`` or ``docker inspect``'s command line.
+    EnvironmentFile (or the launcher's process environment) passed on by name (``--env VLLM_API_KEY``), so
+    it never appears in ``ps`` or ``docker inspect``'s command line.
     """
 
     image: str | None = None
@@ -49,8 +50,9 @@ class VllmEngine:
         mount = _MODEL_MOUNT / ctx.spec.model
         secret_env = {}
         if ctx.api_key is not None:
-            if ctx.env_file is None:
-                raise LaunchError(f"replica {ctx.replica_id}: an API key needs an env file to travel in")
+            # `--env NAME` without a value: docker copies it from its own environment into the
+            # container, where the launcher put it (a 0600 EnvironmentFile for units over SSH, the
+            # process environment locally); the value is never on a command line.
             secret_env["VLLM_API_KEY"] = ctx.api_key
         env = {
             "HF_HUB_OFFLINE": "1",
@@ -84,8 +86,8 @@ class VllmEngine:
             ]
         for key, value in env.items():
             argv += ["--env", f"{key}={value}"]
-        if ctx.env_file is not None and secret_env:
-            argv += ["--env-file", str(ctx.env_file)]
+        for key in sorted(secret_env):
+            argv += ["--env", key]
         # An explicit entrypoint: images switched from the module to `vllm serve` across versions.
         argv += ["--entrypoint", "python3", image, "-m", "vllm.entrypoints.openai.api_server"]
         host, port = (ctx.host, ctx.port) if multi else ("0.0.0.0", _CONTAINER_PORT)  # noqa: S104

@@ -67,13 +67,13 @@ def test_vllm_container_argv_is_exact_and_hardened() -> None:
     assert launch.container_name == "sarv-llama-0"
 
 
-def test_vllm_api_key_travels_in_the_env_file_never_in_argv() -> None:
+def test_vllm_api_key_travels_by_name_never_in_argv() -> None:
     ctx = _ctx(tp=2).model_copy(update={"api_key": SecretStr("sk-secret-123")})
     launch = VllmEngine(image="img:1").build(ctx)
     assert not any("sk-secret-123" in a for a in launch.argv)
     assert "--api-key" not in launch.argv
-    i = launch.argv.index("--env-file")
-    assert launch.argv[i + 1] == "/run/sarv/llama-0.env"
+    i = launch.argv.index("VLLM_API_KEY")
+    assert launch.argv[i - 1] == "--env" and launch.argv.index(launch.container_name or "") < i
     assert launch.secret_env["VLLM_API_KEY"].get_secret_value() == "sk-secret-123"
     assert "sk-secret-123" not in repr(launch)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fixtures.gateway import GatewayStarter, add_key, gateway_factory
+from fixtures.gateway import GatewayStarter, add_key, gateway_factory, gateway_model_ids
 from fixtures.vllm import LlmctlEnv, kill_groups
 
 from controlplane.state import open_store
@@ -71,20 +71,6 @@ def _served(endpoint: str) -> dict[str, str | None]:
     return {m["id"]: m["parent"] for m in data}
 
 
-def _gateway_models(url: str, key: str, want: str, present: bool) -> set[str]:
-    """The gateway's model ids once ``want`` is (or is no longer) among them; bounded by count."""
-    ids: set[str] = set()
-    for _ in range(100):
-        resp = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
-        ids = {m["id"] for m in resp.json()["data"]}
-        if (want in ids) is present:
-            return ids
-        with contextlib.suppress(Exception):
-            httpx.get(f"{url}/health", timeout=1)  # pace the loop without a sleep threshold
-        os.sched_yield()
-    return ids
-
-
 def test_add_route_remove_an_adapter_on_every_replica(
     env: LlmctlEnv, store: StateStore, gateway_factory: GatewayStarter, tmp_path: Path
 ) -> None:
@@ -100,7 +86,7 @@ def test_add_route_remove_an_adapter_on_every_replica(
     assert record is not None and [a.name for a in record.spec.lora_adapters] == ["sql"]
     assert "sql" in env.llmctl("lora", "list", "sarv-tiny", check=True).stdout
 
-    assert "sql" in _gateway_models(gw.url, key, "sql", present=True)
+    assert "sql" in gateway_model_ids(gw.url, key, "sql", present=True)
     resp = httpx.post(
         f"{gw.url}/v1/chat/completions",
         headers={"Authorization": f"Bearer {key}"},
@@ -115,7 +101,7 @@ def test_add_route_remove_an_adapter_on_every_replica(
     out = env.llmctl("lora", "remove", "sarv-tiny", "sql", check=True)
     for rec in store.list_replicas("sarv-tiny"):
         assert "sql" not in _served(rec.endpoint)
-    assert "sql" not in _gateway_models(gw.url, key, "sql", present=False)
+    assert "sql" not in gateway_model_ids(gw.url, key, "sql", present=False)
     record = store.get_deployment("sarv-tiny")
     assert record is not None and record.spec.lora_adapters == []
     missing = env.llmctl("lora", "remove", "sarv-tiny", "sql")

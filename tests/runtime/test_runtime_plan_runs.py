@@ -222,34 +222,23 @@ def test_a_replica_spanning_generations_with_different_images_is_refused_first(t
                         shards=[Shard(node="a1", gpus=[0], pp_rank=0), Shard(node="h1", gpus=[0], pp_rank=1)])
         ],
     )  # fmt: skip
-    settings = Settings(home=tmp_path / "home")
-    store = open_store(f"sqlite:///{tmp_path / 'state.db'}", settings)
-    launchers: list[RecordingLauncher] = []
-
-    def factory(node: Node) -> RecordingLauncher:
-        launchers.append(RecordingLauncher(node))
-        return launchers[-1]
-
-    deployer = Deployer(
-        settings=settings,
-        store=store,
-        fleet=fleet,
-        catalog=CAT,
-        planner=lambda *_: mixed,
-        launcher_factory=factory,
-        group_launcher_factory=lambda nodes: factory(nodes[0]),
-        engines=default_engines(settings),
-        compat=compat,
-    )
+    deployer, launchers = _recording_deployer(tmp_path, fleet, planner=lambda *_: mixed, compat=compat)
     spec = DeploymentSpec(name="d", model="llama-70b", engine=EngineKind.VLLM, source=str(tmp_path))
     with pytest.raises(UserError, match=r"spans GPU generations \(ampere, hopper\).*\(v-ampere, v-hopper\)"):
         deployer.deploy(spec, wait=False)
-    assert not launchers and store.list_deployments() == []
-    store.close()
+    assert not launchers and deployer.store.list_deployments() == []
+    deployer.store.close()
 
 
-def _two_node_deployer(tmp_path: Path, *, group: bool) -> tuple[Deployer, list[RecordingLauncher]]:
-    fleet = Fleet(nodes=[gpu_node(n, "A100-SXM4-80GB", 8, 81920, nvlink=True) for n in ("a100-1", "a100-2")])
+def _recording_deployer(
+    tmp_path: Path,
+    fleet: Fleet,
+    *,
+    planner: object = plan,
+    group: bool = True,
+    compat: CompatTable | None = None,
+) -> tuple[Deployer, list[RecordingLauncher]]:
+    """A Deployer on recording nodes (and a recording Ray group launcher, standing in for the head's)."""
     settings = Settings(home=tmp_path / "home")
     launchers: list[RecordingLauncher] = []
 
@@ -262,13 +251,18 @@ def _two_node_deployer(tmp_path: Path, *, group: bool) -> tuple[Deployer, list[R
         store=open_store(f"sqlite:///{tmp_path / 'state.db'}", settings),
         fleet=fleet,
         catalog=CAT,
-        planner=plan,
+        planner=planner,  # type: ignore[arg-type]
         launcher_factory=factory,
-        # The Ray group launcher, recorded: what it is asked to copy and start on the head's behalf.
         group_launcher_factory=(lambda nodes: factory(nodes[0])) if group else None,
         engines=default_engines(settings),
+        compat=compat or load_compat(),
     )
     return deployer, launchers
+
+
+def _two_node_deployer(tmp_path: Path, *, group: bool) -> tuple[Deployer, list[RecordingLauncher]]:
+    fleet = Fleet(nodes=[gpu_node(n, "A100-SXM4-80GB", 8, 81920, nvlink=True) for n in ("a100-1", "a100-2")])
+    return _recording_deployer(tmp_path, fleet, group=group)
 
 
 def test_a_replica_spanning_two_nodes_runs_as_a_ray_cluster_of_engine_containers(tmp_path: Path) -> None:
