@@ -542,7 +542,7 @@ class RedisLimiter:
     ) -> tuple[int, int, int, int] | Decision:
         """One Lua call: (requests, tokens) granted and (requests, tokens) left in Redis (-1: no such
         limit), or the refusal (or the backend failure) as a Decision."""
-        from redis.exceptions import RedisError
+        from redis.exceptions import RedisClusterException, RedisError
 
         window = int(now // _WINDOW)
         day = int(now // _DAY)
@@ -568,7 +568,7 @@ class RedisLimiter:
         try:
             async with self._slots:
                 res = await self._script(self._admit, keys, args)
-        except (RedisError, OSError, *_TRANSPORT_BUGS) as exc:
+        except (RedisError, RedisClusterException, OSError, *_TRANSPORT_BUGS) as exc:
             self._warn_unreachable(exc, now)
             return Decision(self._fail_open, "limiter_unavailable", 1.0, backend_error=True)
         tag = res[0].decode() if isinstance(res[0], bytes) else str(res[0])
@@ -695,7 +695,7 @@ class RedisLimiter:
 
     async def flush(self, *, all_leases: bool = False) -> None:
         """Apply the queued settlements and give back expired leases (every lease with ``all_leases``)."""
-        from redis.exceptions import RedisError
+        from redis.exceptions import RedisClusterException, RedisError
 
         mono = time.monotonic()
         for key in [k for k, v in self._leases.items() if all_leases or v.expires <= mono]:
@@ -715,7 +715,11 @@ class RedisLimiter:
             if d_req or d_tok
         ]
         results = await asyncio.gather(*calls, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, (RedisError, OSError, *_TRANSPORT_BUGS))]
+        errors = [
+            r
+            for r in results
+            if isinstance(r, (RedisError, RedisClusterException, OSError, *_TRANSPORT_BUGS))
+        ]
         if errors:
             # Losing a settlement only leaves the reservation standing: the key is limited a little early.
             logger.warning("rate limiter: %d settlement(s) lost (%s)", len(errors), errors[0])

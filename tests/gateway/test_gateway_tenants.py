@@ -358,3 +358,23 @@ def test_llmctl_usage_filters_and_formats(capsys, usage_cli):
     code, _, err = _run(capsys, "usage", "--since", "soon")
     assert code == 2
     assert "neither a duration" in err
+
+
+@pytest.mark.parametrize("fail_open", [True, False])
+async def test_unreachable_cluster_follows_the_setting(fail_open):
+    from controlplane.settings import Settings
+    from controlplane.state.clients import async_client, redis_endpoint
+
+    url = f"redis+cluster://127.0.0.1:{free_port()}"
+    lim = RedisLimiter(async_client(redis_endpoint(url, Settings())), fail_open=fail_open)
+    levels = _levels("a", KeyLimits(rpm=1), KeyLimits(rpm=1), KeyLimits())
+    try:
+        result = await admit_levels(lim, levels, 1, T0)
+    finally:
+        await lim.close()
+    if fail_open:
+        assert isinstance(result, Admitted)
+        assert result.unchecked == 2
+    else:
+        assert isinstance(result, Refused)
+        assert result.decision.backend_error
