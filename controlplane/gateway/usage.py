@@ -27,6 +27,9 @@ _HOUR = 3600
 # bytes each. Beyond it the oldest hours are dropped, and the warning says how many rows were lost.
 _MAX_ROWS = 100_000
 
+# One encoder for every line: json.dumps with non-default arguments builds a new one per call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
 
 class UsageRecorder:
     """Adds each finished request to an in-memory row per (hour, key, team, model); a background task adds
@@ -182,7 +185,7 @@ class AccessLog:
         }
         if self._config.include_content and job.body:
             entry["request"] = job.body.decode("utf-8", "replace")
-        self._lines.append(json.dumps(entry, separators=(",", ":")) + "\n")
+        self._lines.append(_ENCODER.encode(entry) + "\n")
 
     async def _loop(self) -> None:
         while True:
