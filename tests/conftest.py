@@ -5,4 +5,5 @@ pytest_plugins = [
     "fixtures.sim",
     "fixtures.testhosts",
     "fixtures.vllm",
+    "fixtures.fleets",  # after fixtures.vllm, which it imports
 ]

@@ -19,7 +19,7 @@ from controlplane.errors import SarvError, UserError
 if TYPE_CHECKING:
     from controlplane.state.base import StateStore
 
-__all__ = ["actor", "audited", "parse_since", "register"]
+__all__ = ["actor", "audited", "parse_duration", "parse_since", "register"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,16 @@ def audited(
             store.append_audit(entry)
         except SarvError as exc:
             ui.warn(f"the audit trail could not be written: {exc}")
+
+
+def parse_duration(text: str, what: str = "duration") -> float:
+    """``120``, ``120s``, ``2m``, ``1h`` → seconds."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text)
+    if m is None:
+        raise UserError(f"{what} {text!r} is not a duration", hint="give seconds or e.g. 120s, 5m, 1h")
+    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
 
 
 def parse_since(text: str, now: float) -> float:

@@ -11,11 +11,13 @@ from pydantic import ValidationError
 from controlplane import __version__
 from controlplane.cli import (
     audit,
+    bundle,
     controller,
     fleet,
     gateway,
     infra,
     keys,
+    operations,
     planning,
     runtime,
     teams,
@@ -51,7 +53,21 @@ def build_app() -> typer.Typer:
     ) -> None:
         """Sarv's control plane."""
 
-    for module in (fleet, planning, runtime, keys, teams, audit, usage, gateway, infra, controller):
+    modules = (
+        fleet,
+        planning,
+        runtime,
+        operations,
+        keys,
+        teams,
+        audit,
+        usage,
+        gateway,
+        infra,
+        controller,
+        bundle,
+    )
+    for module in modules:
         module.register(app)
     return app
 

@@ -29,8 +29,14 @@ from controlplane.spec import (
 
 if TYPE_CHECKING:
     from controlplane.controller import Deployer, Observation
+    from controlplane.settings import Settings
+    from controlplane.spec import Fleet
+    from controlplane.state.base import StateStore
 
-__all__ = ["register", "status_document"]
+__all__ = ["STATUS_EVENTS", "register", "status_document", "wire_deployer"]
+
+STATUS_EVENTS = 3
+"""Latest events per deployment that ``llmctl status`` shows."""
 
 
 class StatusFormat(StrEnum):
@@ -104,40 +110,44 @@ def _sources(values: list[str]) -> tuple[str | None, dict[Quantization, str]]:
     return plain, variants
 
 
+def wire_deployer(settings: Settings, store: StateStore, fleet: Fleet, *, progress: Any = None) -> Deployer:
+    """A Deployer on ``store`` and ``fleet``: the catalog, placement and launchers the settings name."""
+    from controlplane.catalog import Catalog
+    from controlplane.controller import Deployer, default_engines
+    from controlplane.launchers import group_launcher_for, is_local_node, launcher_for
+    from controlplane.placement import place
+
+    return Deployer(
+        settings=settings,
+        store=store,
+        fleet=fleet,
+        catalog=Catalog.load(settings.catalog),
+        # The placement `llmctl plan` prints, told which node is this host and its core count.
+        planner=functools.partial(place, is_local=is_local_node, local_cpus=os.cpu_count()),
+        launcher_factory=lambda node: launcher_for(
+            node, settings.home, settings.resolved_model_cache, settings=settings
+        ),
+        # Replicas whose pipeline stages span nodes: a Ray cluster over SSH (launchers/ray.py).
+        group_launcher_factory=lambda nodes: group_launcher_for(
+            nodes, settings.resolved_model_cache, settings
+        ),
+        engines=default_engines(settings),
+        progress=progress,
+        python=sys.executable,
+    )
+
+
 @contextmanager
 def _deployer(inventory: Path | None, *, progress: Any = None) -> Iterator[Deployer]:
     """A Deployer wired from the settings: state store, fleet, catalog, placement and launchers."""
-    from controlplane.catalog import Catalog
-    from controlplane.controller import Deployer, default_engines
     from controlplane.fleet import load_fleet
-    from controlplane.launchers import group_launcher_for, is_local_node, launcher_for
-    from controlplane.placement import place
     from controlplane.settings import load_settings
     from controlplane.state import open_store
 
     settings = load_settings(inventory=inventory)
     store = open_store(settings.resolved_state_url, settings)
     try:
-        fleet = load_fleet(settings.inventory)
-        deployer = Deployer(
-            settings=settings,
-            store=store,
-            fleet=fleet,
-            catalog=Catalog.load(settings.catalog),
-            # The placement `llmctl plan` prints, told which node is this host and its core count.
-            planner=functools.partial(place, is_local=is_local_node, local_cpus=os.cpu_count()),
-            launcher_factory=lambda node: launcher_for(
-                node, settings.home, settings.resolved_model_cache, settings=settings
-            ),
-            # Replicas whose pipeline stages span nodes: a Ray cluster over SSH (launchers/ray.py).
-            group_launcher_factory=lambda nodes: group_launcher_for(
-                nodes, settings.resolved_model_cache, settings
-            ),
-            engines=default_engines(settings),
-            progress=progress,
-            python=sys.executable,
-        )
-        yield deployer
+        yield wire_deployer(settings, store, load_fleet(settings.inventory), progress=progress)
     finally:
         store.close()
 
@@ -176,7 +186,11 @@ def status_document(deployer: Deployer) -> dict[str, Any]:
     # Replicas without a desired deployment (a crashed deploy) are shown, not hidden.
     for name, reps in sorted(by_dep.items()):
         deployments.append({"name": name, "orphaned": True, "replicas": [_replica_doc(r) for r in reps]})
-    return {"deployments": deployments}
+    for doc in deployments:
+        recent = deployer.store.list_events(str(doc["name"]), limit=STATUS_EVENTS)
+        doc["events"] = [e.model_dump(mode="json") for e in recent]
+    cordoned = [n.model_dump(mode="json") for n in deployer.store.list_nodes() if not n.schedulable]
+    return {"deployments": deployments, "cordoned": cordoned}
 
 
 def _replica_doc(o: Observation) -> dict[str, Any]:
@@ -225,7 +239,15 @@ def _status_rows(doc: dict[str, Any], now: float) -> list[list[str]]:
             if probe is not None and not probe["ok"]:
                 state += f" [{probe['path']}: {probe['error']}]"
             rows.append(
-                [d["name"], r["id"], r["node"], gpus, state, r["endpoint"] or "-", _age(r["created_at"], now)]
+                [
+                    d["name"],
+                    r["id"],
+                    r["node"] or "-",
+                    gpus if r["node"] else "-",
+                    state,
+                    r["endpoint"] or "-",
+                    _age(r["created_at"], now),
+                ]
             )
     return rows
 
@@ -240,6 +262,14 @@ def register(app: typer.Typer) -> None:
         tp: Annotated[int, typer.Option(help="Tensor-parallel size (GPUs per pipeline stage).")] = 1,
         pp: Annotated[int | None, typer.Option(help="Pipeline-parallel size (default: 1).")] = None,
         replicas: Annotated[int, typer.Option(help="Number of replicas.")] = 1,
+        min_replicas: Annotated[
+            int | None,
+            typer.Option(min=1, max=1024, help="Fewest replicas the controller may scale down to."),
+        ] = None,
+        max_replicas: Annotated[
+            int | None,
+            typer.Option(min=1, max=1024, help="Most replicas the controller may scale up to."),
+        ] = None,
         engine: Annotated[
             EngineChoice,
             typer.Option(help="vllm (GPU container), vllm-cpu, sim; auto: vllm with GPUs, else vllm-cpu."),
@@ -315,6 +345,8 @@ def register(app: typer.Typer) -> None:
                 name=name or canonical,
                 model=canonical,
                 replicas=replicas,
+                min_replicas=min_replicas,
+                max_replicas=max_replicas,
                 tp=tp,
                 pp=pp,
                 quantization=quantization,
@@ -361,11 +393,25 @@ def _register_operations(app: typer.Typer) -> None:
         if output is StatusFormat.JSON:
             ui.print_json(doc)
             return
-        rows = _status_rows(doc, time.time())
+        now = time.time()
+        rows = _status_rows(doc, now)
         if not rows:
             ui.out("no deployments")
-            return
-        ui.table(["DEPLOYMENT", "REPLICA", "NODE", "GPUS", "STATE", "ENDPOINT", "AGE"], rows)
+        else:
+            ui.table(["DEPLOYMENT", "REPLICA", "NODE", "GPUS", "STATE", "ENDPOINT", "AGE"], rows)
+        events = [
+            [d["name"], _age(e["at"], now), e["type"], e["reason"], e["object"] or "-", e["message"]]
+            for d in doc["deployments"]
+            for e in d["events"]
+        ]
+        if events:
+            ui.out()
+            ui.table(
+                ["DEPLOYMENT", "AGE", "TYPE", "REASON", "OBJECT", "MESSAGE"], events, title="Recent events"
+            )
+        for node in doc["cordoned"]:
+            why = f" ({node['reason']})" if node["reason"] else ""
+            ui.out(f"node {node['name']}: cordoned{why}, no new replicas")
 
     @app.command()
     def undeploy(

@@ -64,7 +64,9 @@ class AdapterManager:
         return record
 
     def _replicas(self, deployment: str) -> list[ReplicaRecord]:
-        replicas = self.deployer.store.list_replicas(deployment)
+        # Replicas on their way out (draining, stopping) take no adapter and hold nothing up.
+        leaving = {ReplicaState.DRAINING, ReplicaState.STOPPING}
+        replicas = [r for r in self.deployer.store.list_replicas(deployment) if r.state not in leaving]
         not_ready = [r.id for r in replicas if r.state is not ReplicaState.READY]
         if not_ready or not replicas:
             raise LaunchError(

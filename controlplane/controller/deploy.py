@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from controlplane.catalog import checkpoint_format
 from controlplane.catalog.compat import CompatTable, Generation, load_compat
+from controlplane.controller.events import record_event
 from controlplane.controller.health import PROBED_STATES, HealthRule, judge, probe_path
 from controlplane.engines.base import Engine, ReplicaContext, check_engine_args
 from controlplane.errors import LaunchError, NotFoundError, PlacementError, SarvError, UserError, WeightsError
-from controlplane.launchers.base import Launcher, ProcessState
+from controlplane.launchers.base import Launcher, ProcessState, ReplicaProcess
 from controlplane.launchers.local import LocalLauncher
 from controlplane.settings import Settings
 from controlplane.spec import (
@@ -37,6 +39,7 @@ from controlplane.weights import WeightsPolicy, read_source_json
 from controlplane.weights.tiny import TINY_MODEL_NAME
 
 __all__ = [
+    "LEAVING_STATES",
     "DeployResult",
     "Deployer",
     "ModelCatalog",
@@ -48,8 +51,26 @@ __all__ = [
 
 Progress = Callable[[str, str], None]
 """``(key, description)``: one line of progress per key (a replica, the weights …)."""
-Planner = Callable[[Fleet, DeploymentSpec, ModelSpec, list[Shard]], Plan]
-"""``(fleet, spec, model, shards of the other deployments)``: ``placement.place`` with this host's answers."""
+
+
+class Planner(Protocol):
+    """``(fleet, spec, model, shards already placed, avoid_nodes=…)``: ``placement.place`` with this host's
+    answers. ``avoid_nodes`` are the nodes the deployment's other replicas run on (anti-affinity)."""
+
+    def __call__(
+        self,
+        fleet: Fleet,
+        spec: DeploymentSpec,
+        model: ModelSpec,
+        placed: list[Shard],
+        /,
+        *,
+        avoid_nodes: Collection[str] = (),
+    ) -> Plan: ...
+
+
+LEAVING_STATES = frozenset({ReplicaState.DRAINING, ReplicaState.STOPPING})
+"""Replicas on their way out: not counted as members, never restarted or judged by the health rule."""
 LauncherFactory = Callable[[Node], Launcher]
 GroupLauncherFactory = Callable[[list[Node]], Launcher]
 """Launcher for one replica whose pipeline stages span these nodes (pp rank order): Ray."""
@@ -213,10 +234,13 @@ class Deployer:
             return None
 
     def _model_source(self, spec: DeploymentSpec, model: ModelSpec, variant: Quantization) -> str:
-        """The weights of ``variant``: ``--source VARIANT=…``, then ``--source …``, then the catalog's."""
+        """The weights of ``variant``: ``--source VARIANT=…``, then ``--source …``, then the catalog's, then
+        the site's model store (``model_store_url``, e.g. a loaded bundle's)."""
         chosen = spec.sources.get(variant) or spec.source or model.sources.get(variant)
         if chosen:
             return chosen
+        if self.settings.model_store_url:
+            return f"{self.settings.model_store_url.rstrip('/')}/{model.name}/{variant.value}"
         if model.name == TINY_MODEL_NAME and variant is Quantization.NONE:
             # The tiny model is generated, never downloaded: deterministic, so every node gets the
             # same bytes (and the same manifest digest in the cache).
@@ -255,7 +279,7 @@ class Deployer:
             image = None
             if spec.engine is EngineKind.VLLM:
                 image = self.settings.vllm_image or self.compat.image_for(
-                    rows, self.settings.vllm_image_repository
+                    rows, self.settings.resolved_vllm_image_repository
                 )
             self._check_layout(spec, rp, index, engine)
             source = method = None
@@ -331,13 +355,41 @@ class Deployer:
             )
         return source, fmt.method
 
+    def cordoned(self) -> list[str]:
+        """Names of the nodes cordoned in the state store (``llmctl cordon``), sorted."""
+        return sorted(n.name for n in self.store.list_nodes() if not n.schedulable)
+
+    def schedulable_fleet(self) -> Fleet:
+        """The fleet without its cordoned nodes: what every new placement (deploy, scale, drain) sees."""
+        off = set(self.cordoned())
+        if not off:
+            return self.fleet
+        return self.fleet.model_copy(update={"nodes": [n for n in self.fleet.nodes if n.name not in off]})
+
+    def no_room_reason(self, plan: Plan) -> str:
+        """The planner's reasons for ``plan``'s unplaced replicas as one line, naming cordoned nodes."""
+        reasons = "; ".join(r.strip().rstrip(":") for r in plan.reasons if r.strip()) or "no node can hold it"
+        off = self.cordoned()
+        return f"{reasons} (cordoned, not considered: {', '.join(off)})" if off else reasons
+
+    def place_around(
+        self, spec: DeploymentSpec, model: ModelSpec, count: int, members: list[ReplicaRecord]
+    ) -> Plan:
+        """Placement of ``count`` more replicas of ``spec`` on the schedulable nodes, around every replica
+        in the store (their GPUs are taken, draining ones included) and away from the nodes of ``members``
+        (the deployment's replicas that stay: anti-affinity)."""
+        placed = [s for r in self.store.list_replicas() for s in r.shards]
+        avoid = sorted({s.node for r in members for s in r.shards})
+        want = spec.model_copy(update={"replicas": count})
+        return self.planner(self.schedulable_fleet(), want, model, placed, avoid_nodes=avoid)
+
     def _plan(self, spec: DeploymentSpec, model: ModelSpec) -> Plan:
         placed = [s for r in self.store.list_replicas() if r.deployment != spec.name for s in r.shards]
-        plan = self.planner(self.fleet, spec, model, placed)
+        plan = self.planner(self.schedulable_fleet(), spec, model, placed)
         if plan.unplaced or len(plan.replicas) < spec.replicas:
-            reasons = "; ".join(plan.reasons) or "no node can hold it"
             raise PlacementError(
-                f"cannot place {spec.replicas} replica(s) of {model.name} with tp={spec.tp}: {reasons}"
+                f"cannot place {spec.replicas} replica(s) of {model.name} with tp={spec.tp}: "
+                f"{self.no_room_reason(plan)}"
             )
         return plan
 
@@ -352,10 +404,12 @@ class Deployer:
         model = self.catalog.get(spec.model)
         previous = self.store.get_deployment(spec.name)
         if previous is not None and previous.spec != spec:
-            raise _conflict(previous.spec, spec)
+            if previous.spec.model_copy(update={"replicas": spec.replicas}) != spec:
+                raise _conflict(previous.spec, spec)
+            return self._scale_from_deploy(spec, wait=wait, timeout=timeout)
         loading: list[_Launched] = []
         if previous is not None:
-            current = self.refresh(spec.name)
+            current = [r for r in self.refresh(spec.name) if r.state not in LEAVING_STATES]
             ready = {r.index for r in current if r.state is ReplicaState.READY}
             # Replicas still loading (an earlier --no-wait) are awaited, never restarted.
             for r in current:
@@ -364,18 +418,22 @@ class Deployer:
                     loading.append(_Launched(r, launcher))
             running = ready | {item.record.index for item in loading}
             plan = previous.plan
-            todo = [i for i in range(spec.replicas) if i not in running]
+            # Failed and unhealthy replicas are started again in their planned slot; pending ones (no
+            # room when they were asked for) and missing ones are placed anew by scale, below.
+            broken = [r for r in current if r.index not in running and r.shards]
+            todo = sorted(r.index for r in broken if r.index < len(plan.replicas))
             prepared = self._preflight(spec, model, plan, todo)
+            short = spec.replicas - len(running) - len(todo)
             if not todo:
                 if wait and loading:
                     self._await_ready(spec, loading, timeout)
+                if short > 0:
+                    return self._scale_from_deploy(spec, wait=wait, timeout=timeout)
                 return DeployResult(
                     deployment=spec.name, changed=False, replicas=self.store.list_replicas(spec.name)
                 )
-            # Replace only what is not running (failed, unhealthy, missing); the rest is left alone.
-            for rec in current:
-                if rec.index not in running:
-                    self._stop_and_forget(rec)
+            for rec in broken:
+                self._stop_and_forget(rec)
             record = previous
         else:
             plan = self._plan(spec, model)
@@ -383,7 +441,64 @@ class Deployer:
             prepared = self._preflight(spec, model, plan, todo)
             now = self.clock()
             record = DeploymentRecord(spec=spec, plan=plan, created_at=now, updated_at=now)
+            short = 0
 
+        self.launch(
+            record,
+            model,
+            todo,
+            previous=previous,
+            wait=wait,
+            timeout=timeout,
+            port=port,
+            prepared=prepared,
+            loading=loading,
+        )
+        if short > 0:
+            return self._scale_from_deploy(spec, wait=wait, timeout=timeout)
+        if previous is None:
+            record_event(
+                self.store,
+                "Deployed",
+                f"{spec.replicas} replica(s) of {model.name} (tp={spec.tp}, {spec.engine.value})",
+                deployment=spec.name,
+                clock=self.clock,
+            )
+        replicas = self.store.list_replicas(spec.name)
+        return DeployResult(deployment=spec.name, changed=True, replicas=replicas, notes=list(plan.notes))
+
+    def _scale_from_deploy(self, spec: DeploymentSpec, *, wait: bool, timeout: float) -> DeployResult:
+        """``llmctl deploy`` of a running deployment with another replica count: a scale in place."""
+        from controlplane.controller.scaling import raise_unplaced, scale
+
+        result = scale(self, spec.name, spec.replicas, reason="llmctl deploy", wait=wait, timeout=timeout)
+        raise_unplaced(result)
+        return DeployResult(
+            deployment=spec.name,
+            changed=result.changed,
+            replicas=self.store.list_replicas(spec.name),
+            notes=[result.describe()] if result.changed else [],
+        )
+
+    def launch(
+        self,
+        record: DeploymentRecord,
+        model: ModelSpec,
+        todo: list[int],
+        *,
+        previous: DeploymentRecord | None,
+        wait: bool = True,
+        timeout: float = 600.0,
+        port: int | None = None,
+        prepared: dict[int, _Prepared] | None = None,
+        loading: list[_Launched] | None = None,
+    ) -> list[ReplicaRecord]:
+        """Record ``record`` as desired, then start its plan's replicas ``todo`` (slot = index) and await
+        them; on any failure what this call started is stopped and ``previous`` restored (None: removed).
+        Returns the records of the replicas started."""
+        spec, plan = record.spec, record.plan
+        if prepared is None:
+            prepared = self._preflight(spec, model, plan, todo)
         self.store.put_deployment(record)  # desired state first: a crash from here on is visible
         launched: list[_Launched] = []
         try:
@@ -391,12 +506,11 @@ class Deployer:
                 spec, model=model, plan=plan, todo=todo, port=port, launched=launched, prepared=prepared
             )
             if wait:
-                self._await_ready(spec, [*launched, *loading], timeout)
+                self._await_ready(spec, [*launched, *(loading or [])], timeout)
         except BaseException as exc:
             self._rollback(spec, previous, launched)
             raise _rolled_back(spec, exc) from None
-        replicas = self.store.list_replicas(spec.name)
-        return DeployResult(deployment=spec.name, changed=True, replicas=replicas, notes=list(plan.notes))
+        return [item.record for item in launched]
 
     def _launch_all(
         self,
@@ -475,6 +589,7 @@ class Deployer:
                 endpoint=f"http://{launcher.host}:{chosen}",
                 state=ReplicaState.STARTING,
                 adapters=[a.name for a in spec.lora_adapters],
+                weights=f"{model.name}/{PurePath(model_dir).name}" if model_dir else None,
                 probes=launch.probes,
                 created_at=now,
                 updated_at=now,
@@ -570,6 +685,25 @@ class Deployer:
             launcher.stop(rec.handle)
         self.store.delete_replica(rec.id)
 
+    def check_reach(self, replicas: list[ReplicaRecord], command: str) -> None:
+        """Refuse, before anything changes, to act on a replica whose process this host cannot reach."""
+        for rec in replicas:
+            if rec.handle and self._launcher_for_record(rec) is None:
+                raise LaunchError(
+                    f"replica {rec.id} runs on {rec.handle.get('host', rec.node)}, out of this host's reach",
+                    hint=f"run `llmctl {command}` there",
+                )
+
+    def stop_replica(self, rec: ReplicaRecord) -> None:
+        """Mark ``rec`` stopping, stop its process (when it has one) and remove its record."""
+        launcher = self._launcher_for_record(rec)
+        rec.state, rec.updated_at = ReplicaState.STOPPING, self.clock()
+        self.store.put_replica(rec)
+        self._say(rec.id, f"{rec.id}: stopping")
+        if launcher is not None and rec.handle:
+            launcher.stop(rec.handle)
+        self.store.delete_replica(rec.id)
+
     def _rollback(
         self, spec: DeploymentSpec, previous: DeploymentRecord | None, launched: list[_Launched]
     ) -> None:
@@ -587,6 +721,77 @@ class Deployer:
             self.store.put_deployment(previous)
         if errors:
             raise LaunchError(f"rollback of {spec.name} incomplete: {'; '.join(errors)}")
+
+    # --- healing: one replica at a time (the controller)
+
+    def poll(self, rec: ReplicaRecord) -> ReplicaProcess | None:
+        """What the replica's launcher sees of its process; None when no launcher here can reach it."""
+        launcher = self._launcher_for_record(rec)
+        if launcher is None or not rec.handle:
+            return None
+        return launcher.poll(rec.handle)
+
+    def stop_process(self, rec: ReplicaRecord) -> None:
+        """Stop the replica's process and leave the store alone (its record may already name a successor
+        with the same id), where a launcher here can reach it."""
+        launcher = self._launcher_for_record(rec)
+        if launcher is not None and rec.handle:
+            launcher.stop(rec.handle)
+
+    def relaunch(self, name: str, index: int, *, avoid: frozenset[str] = frozenset()) -> ReplicaRecord:
+        """Start replica ``index`` of ``name`` again, without waiting for it to load; its old process is
+        stopped and its record replaced (``starting``). Where its stored placement uses a node in
+        ``avoid`` it is placed anew around every other replica on the fleet less those nodes (a
+        pipeline-parallel replica moves as a whole); no room raises :class:`PlacementError`."""
+        record = self.store.get_deployment(name)
+        if record is None:
+            raise NotFoundError(f"no deployment named {name!r}")
+        spec = record.spec
+        model = self.catalog.get(spec.model)
+        old = self.store.get_replica(f"{name}-{index}")
+        plan = record.plan
+        placed = plan.replicas[index] if index < len(plan.replicas) else None
+        if placed is None or any(s.node in avoid for s in placed.shards):
+            plan = self._replace_placement(record, model, index, avoid)
+        prepared = self._preflight(spec, model, plan, [index])
+        if old is not None:
+            try:
+                self.stop_process(old)
+            except SarvError as exc:
+                # A lost node cannot be reached: its process is stopped when it answers again.
+                self._say(old.id, f"{old.id}: could not stop the old process: {exc}")
+            self.store.delete_replica(old.id)
+        launched: list[_Launched] = []
+        self._launch_all(
+            spec, model=model, plan=plan, todo=[index], port=None, launched=launched, prepared=prepared
+        )
+        return launched[0].record
+
+    def _replace_placement(
+        self, record: DeploymentRecord, model: ModelSpec, index: int, avoid: frozenset[str]
+    ) -> Plan:
+        """``record``'s plan with replica ``index`` placed anew off ``avoid``; stored before it returns."""
+        spec = record.spec
+        own = f"{spec.name}-{index}"
+        others = [r for r in self.store.list_replicas() if r.id != own]
+        taken = [s for r in others for s in r.shards]
+        schedulable = self.schedulable_fleet()
+        fleet = schedulable.model_copy(
+            update={"nodes": [n for n in schedulable.nodes if n.name not in avoid]}
+        )
+        mates = sorted({s.node for r in others if r.deployment == spec.name for s in r.shards})
+        one = self.planner(fleet, spec.model_copy(update={"replicas": 1}), model, taken, avoid_nodes=mates)
+        if one.unplaced or not one.replicas:
+            raise PlacementError(
+                f"no room for replica {own} off {', '.join(sorted(avoid))}: {self.no_room_reason(one)}"
+            )
+        replicas = list(record.plan.replicas)
+        while len(replicas) <= index:
+            replicas.append(one.replicas[0])
+        replicas[index] = one.replicas[0]
+        plan = record.plan.model_copy(update={"replicas": replicas})
+        self.store.put_deployment(record.model_copy(update={"plan": plan, "updated_at": self.clock()}))
+        return plan
 
     # --- observe, undeploy, logs
 
@@ -608,7 +813,7 @@ class Deployer:
         out: list[Observation] = []
         for rec in self.store.list_replicas(deployment):
             launcher = self._launcher_for_record(rec)
-            if launcher is None or rec.state is ReplicaState.STOPPING:
+            if launcher is None or rec.state in LEAVING_STATES:
                 out.append(Observation(rec))
                 continue
             proc = launcher.poll(rec.handle) if rec.handle else None
@@ -619,7 +824,9 @@ class Deployer:
             if proc is None or proc.state is not ProcessState.RUNNING:
                 new_state = ReplicaState.FAILED
                 code = f" (exit code {proc.exit_code})" if proc and proc.exit_code is not None else ""
-                message = f"process {rec.handle.get('pid', '?')} is not running{code}"
+                # Already failed: keep the account given then (the controller's crash loop, its back-off).
+                if rec.state is not ReplicaState.FAILED or not rec.message:
+                    message = f"process {rec.handle.get('pid', '?')} is not running{code}"
             elif rec.endpoint and rec.state in PROBED_STATES:
                 path = probe_path(rec)
                 error = _http_check(f"{rec.endpoint}{path}", self.api_key)
@@ -642,20 +849,17 @@ class Deployer:
             raise NotFoundError(f"no deployment named {name!r} (deployments: {known})")
         stopped: list[str] = []
         for rec in replicas:
-            launcher = self._launcher_for_record(rec)
-            if launcher is None and rec.handle:
-                raise LaunchError(
-                    f"replica {rec.id} runs on {rec.handle.get('host', rec.node)}, out of this host's reach",
-                    hint="run `llmctl undeploy` there",
-                )
-            rec.state, rec.updated_at = ReplicaState.STOPPING, self.clock()
-            self.store.put_replica(rec)
-            self._say(rec.id, f"{rec.id}: stopping")
-            if launcher is not None and rec.handle:
-                launcher.stop(rec.handle)
-            self.store.delete_replica(rec.id)
+            self.check_reach([rec], "undeploy")
+            self.stop_replica(rec)
             stopped.append(rec.id)
         self.store.delete_deployment(name)
+        record_event(
+            self.store,
+            "Undeployed",
+            f"stopped {', '.join(stopped) or 'no replica'}",
+            deployment=name,
+            clock=self.clock,
+        )
         return stopped
 
     def logs(self, replica_id: str, *, follow: bool = False, tail: int = 200) -> Iterator[str]:

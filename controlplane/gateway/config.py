@@ -162,6 +162,10 @@ class GatewayConfig(_Model):
     usage_flush_interval_s: float = Field(default=5.0, gt=0, le=300)
     """Usage counts are added to the state store in batches at this interval and at shutdown; a gateway
     that is killed (not stopped) loses at most this much of its usage record."""
+    model_cache: Path | None = None
+    """Model cache on this host (``llmctl gateway`` sets it from the settings): each served model's
+    tokenizer is loaded from the verified weights its replicas run, so prompt lengths are exact without a
+    ``models.<name>.tokenizer``; None, or weights not in this cache: the byte bound."""
     key_cache_ttl_s: float = Field(default=5.0, ge=0)
     """How long a key (and team) lookup is trusted; a revoked key or a changed team takes effect within
     this time."""

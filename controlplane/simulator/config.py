@@ -71,6 +71,9 @@ class SimConfig(BaseModel):
     """Fraction of inference requests that are never answered (until the client gives up)."""
     crash_after: int | None = Field(default=None, ge=1)
     """Exit the process (status 1) once this many inference requests have finished."""
+    exit_at_start: int | None = Field(default=None, ge=1, le=255)
+    """Exit with this status right after start, before listening: an engine that cannot start (a crash
+    loop rehearsal)."""
     slow_start_s: float = Field(default=0.0, ge=0.0, le=3600.0)
     """Answer 503 on ``/health`` and ``/v1/*`` for this long after start, like an engine still loading."""
     embedding_dim: int = Field(default=384, ge=1, le=16384)

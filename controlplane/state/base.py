@@ -13,6 +13,7 @@ __all__ = [
     "AuditEntry",
     "EventRecord",
     "LevelLimits",
+    "NodeRecord",
     "StateStore",
     "TeamRecord",
     "UsageRecord",
@@ -101,6 +102,20 @@ class EventRecord(BaseModel):
     """Who acted: ``controller``, ``llmctl`` (with the actor in ``message`` where it matters)."""
 
 
+class NodeRecord(BaseModel):
+    """What the control plane keeps about one fleet node beyond the inventory: whether it takes new
+    replicas (``llmctl cordon|uncordon``). A node without a record is schedulable."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=253)
+    schedulable: bool = True
+    """False once cordoned: placement (deploy, scale, drain's replacements) leaves the node out."""
+    reason: str = ""
+    """Why it was cordoned (``drain``, the operator's note); empty when schedulable."""
+    updated_at: float = 0.0
+
+
 class UsageRecord(BaseModel):
     """What one key (in one team) used of one model in one UTC hour; stores add these up."""
 
@@ -148,6 +163,11 @@ class StateStore(Protocol):
     def get_replica(self, replica_id: str) -> ReplicaRecord | None: ...
     def list_replicas(self, deployment: str | None = None) -> list[ReplicaRecord]: ...
     def delete_replica(self, replica_id: str) -> bool: ...
+
+    # nodes (cordon state; a node without a record is schedulable)
+    def put_node(self, record: NodeRecord) -> None: ...
+    def get_node(self, name: str) -> NodeRecord | None: ...
+    def list_nodes(self) -> list[NodeRecord]: ...
 
     # API keys
     def put_api_key(self, record: ApiKeyRecord) -> None: ...

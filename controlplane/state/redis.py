@@ -17,7 +17,14 @@ from pydantic import BaseModel, ValidationError
 
 from controlplane.errors import ConfigError, StateError
 from controlplane.spec import DeploymentRecord, ReplicaRecord
-from controlplane.state.base import ApiKeyRecord, AuditEntry, EventRecord, TeamRecord, UsageRecord
+from controlplane.state.base import (
+    ApiKeyRecord,
+    AuditEntry,
+    EventRecord,
+    NodeRecord,
+    TeamRecord,
+    UsageRecord,
+)
 from controlplane.state.clients import RedisEndpoint, redis_error, sync_client
 
 if TYPE_CHECKING:
@@ -101,6 +108,7 @@ class RedisStore:
         self._key_names = tag + "apikey-names"
         self._revision = tag + "revision"
         self._teams = tag + "teams"
+        self._nodes = tag + "nodes"
         self._audit = tag + "audit"
         self._events = tag + "events"
         self._usage = tag + "usage:"
@@ -201,6 +209,17 @@ class RedisStore:
 
     def list_api_keys(self) -> list[ApiKeyRecord]:
         return sorted((r for _, r in self._values(ApiKeyRecord, self._keys)), key=lambda r: r.name)
+
+    # --- nodes
+
+    def put_node(self, record: NodeRecord) -> None:
+        self._script("put", [self._nodes, self._revision], [record.name, record.model_dump_json()])
+
+    def get_node(self, name: str) -> NodeRecord | None:
+        return self._get(NodeRecord, self._nodes, name)
+
+    def list_nodes(self) -> list[NodeRecord]:
+        return [r for _, r in self._values(NodeRecord, self._nodes)]
 
     # --- teams
 

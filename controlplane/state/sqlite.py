@@ -15,14 +15,21 @@ from pydantic import BaseModel, ValidationError
 
 from controlplane.errors import StateError
 from controlplane.spec import DeploymentRecord, ReplicaRecord
-from controlplane.state.base import ApiKeyRecord, AuditEntry, EventRecord, TeamRecord, UsageRecord
+from controlplane.state.base import (
+    ApiKeyRecord,
+    AuditEntry,
+    EventRecord,
+    NodeRecord,
+    TeamRecord,
+    UsageRecord,
+)
 
 __all__ = ["SCHEMA_VERSION", "SqliteStore"]
 
 _T = TypeVar("_T")
 _M = TypeVar("_M", bound=BaseModel)
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """``PRAGMA user_version`` of the layout below; a file from a newer Sarv is refused, never rewritten."""
 
 # Version n's statements take a file from version n - 1 to n. Append, never edit a released step.
@@ -49,7 +56,8 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "deployment TEXT, body TEXT NOT NULL)",
         "CREATE INDEX events_by_deployment ON events (deployment, at)",
     ),
-    4: (
+    4: ("CREATE TABLE nodes (name TEXT PRIMARY KEY, body TEXT NOT NULL)",),
+    5: (
         "CREATE TABLE usage (hour INTEGER NOT NULL, key TEXT NOT NULL, team TEXT NOT NULL, "
         "model TEXT NOT NULL, requests INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL, "
         "completion_tokens INTEGER NOT NULL, errors INTEGER NOT NULL, rejected INTEGER NOT NULL, "
@@ -237,6 +245,24 @@ class SqliteStore:
     def list_api_keys(self) -> list[ApiKeyRecord]:
         rows = self._read("SELECT body FROM api_keys ORDER BY name")
         return [self._load(ApiKeyRecord, r[0]) for r in rows]
+
+    # --- nodes
+
+    def put_node(self, record: NodeRecord) -> None:
+        with self._write() as conn:
+            conn.execute(
+                "INSERT INTO nodes (name, body) VALUES (?, ?) "
+                "ON CONFLICT (name) DO UPDATE SET body = excluded.body",
+                (record.name, record.model_dump_json()),
+            )
+
+    def get_node(self, name: str) -> NodeRecord | None:
+        rows = self._read("SELECT body FROM nodes WHERE name = ?", (name,))
+        return self._load(NodeRecord, rows[0][0]) if rows else None
+
+    def list_nodes(self) -> list[NodeRecord]:
+        rows = self._read("SELECT body FROM nodes ORDER BY name")
+        return [self._load(NodeRecord, r[0]) for r in rows]
 
     # --- teams
 

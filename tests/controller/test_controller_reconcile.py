@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
 from fixtures.common import free_port
+from fixtures.fleets import gpu_fleet
 from fixtures.sim import SimFactory, SimProcess
 
 from controlplane.controller.autoscale import AutoscaleConfig
+from controlplane.controller.events import record_event
 from controlplane.controller.lease import RedisLease
 from controlplane.controller.reconcile import (
     ControllerConfig,
@@ -22,21 +23,17 @@ from controlplane.controller.reconcile import (
     load_controller_config,
 )
 from controlplane.errors import ConfigError
-from controlplane.spec import DeploymentRecord, DeploymentSpec, EngineKind, Plan, ReplicaRecord, ReplicaState
+from controlplane.spec import (
+    DeploymentRecord,
+    DeploymentSpec,
+    EngineKind,
+    Plan,
+    ReplicaRecord,
+    ReplicaState,
+    Shard,
+)
 from controlplane.state import StateStore, open_store
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[StateStore]:
-    s = open_store(f"sqlite:///{tmp_path / 'state.db'}")
-    yield s
-    s.close()
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=2.0, trust_env=False) as c:
-        yield c
+from controlplane.state.base import NodeRecord
 
 
 def replica(name: str, index: int, endpoint: str, state: ReplicaState = ReplicaState.READY) -> ReplicaRecord:
@@ -411,3 +408,57 @@ async def test_replicas_of_a_real_deploy_are_promoted_and_listed(
         store.close()
         env.llmctl("undeploy", "sarv-tiny", timeout=60)
         assert kill_groups(pids) == []
+
+
+def _on(rec: ReplicaRecord, node: str, gpu: int) -> ReplicaRecord:
+    return rec.model_copy(update={"node": node, "shards": [Shard(node=node, gpus=[gpu], pp_rank=0)]})
+
+
+async def test_deployment_and_node_series_and_a_draining_replica_left_alone(
+    sim_server: SimFactory, store: StateStore, client: httpx.AsyncClient
+) -> None:
+    """The series the operations dashboard reads, set each pass; a draining replica is left to its drain
+    (never probed, judged or counted as capacity)."""
+    sim = sim_server(served_model_name="web")
+    store.put_deployment(deployment("web", 3))
+    store.put_replica(_on(replica("web", 0, sim.url), "gpu-a", 0))
+    # Its engine is gone, but it is draining: the controller must not mark it unhealthy or failed.
+    store.put_replica(_on(replica("web", 1, dead_endpoint(), ReplicaState.DRAINING), "gpu-b", 1))
+    no_room = "no room: 1 of 3 replica(s) could not be placed"
+    pending = replica("web", 2, "", ReplicaState.PENDING)
+    store.put_replica(pending.model_copy(update={"endpoint": None, "node": "", "message": no_room}))
+    store.put_node(NodeRecord(name="gpu-b", schedulable=False, reason="drain"))
+    metrics = ControllerMetrics()
+    rec = Reconciler(store=store, client=client, metrics=metrics, fleet=gpu_fleet(nodes=2, gpus=2))
+    for _ in range(4):  # beyond the failure threshold
+        report = await rec.run_once()
+        assert not report.failed_phases
+    assert store.get_replica("web-1").state is ReplicaState.DRAINING  # type: ignore[union-attr]
+    reg = metrics.registry
+
+    def value(name: str, **labels: str) -> float | None:
+        return reg.get_sample_value(name, labels)
+
+    counts = {
+        s: value("sarv_deployment_replicas", deployment="web", state=s)
+        for s in ("desired", "current", "ready", "loading", "pending")
+    }
+    assert counts == {"desired": 3, "current": 1, "ready": 1, "loading": 0, "pending": 1}
+    assert value("sarv_deployment_unplaced_replicas", deployment="web", reason="no_room") == 1
+    assert value("sarv_node_schedulable", node="gpu-a") == 1
+    assert value("sarv_node_schedulable", node="gpu-b") == 0
+    gpu = "A100-SXM4-80GB"
+    assert value("sarv_node_gpus", node="gpu-a", gpu_type=gpu, state="allocated") == 1
+    assert value("sarv_node_gpus", node="gpu-b", gpu_type=gpu, state="allocated") == 1
+    assert value("sarv_node_gpus", node="gpu-b", gpu_type=gpu, state="free") == 1
+    assert report.decisions["web"].current == 2, "the draining replica is no capacity (ready + pending)"
+
+    record_event(store, "NoRoom", "m", deployment="web", type="Warning", source="controller", metrics=metrics)
+    assert value("sarv_controller_events_total", reason="NoRoom", type="Warning") == 1
+    assert store.list_events("web")[-1].source == "controller"
+
+    # A deployment that is gone loses its series.
+    store.delete_deployment("web")
+    await rec.run_once()
+    assert value("sarv_deployment_replicas", deployment="web", state="desired") is None
+    assert value("sarv_deployment_unplaced_replicas", deployment="web", reason="no_room") is None

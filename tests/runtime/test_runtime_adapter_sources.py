@@ -32,7 +32,7 @@ def _refused(env: LlmctlEnv, *args: str) -> str:
     assert out.returncode == 6, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
-    assert env.status() == {"deployments": []}
+    assert env.status()["deployments"] == []
     # Nothing generated, copied or started: no model cache entry, no replica directory.
     home_files = [p.relative_to(env.home).as_posix() for p in env.home.rglob("*") if p.is_file()]
     assert not [f for f in home_files if "sarv-tiny" in f or f.startswith("replicas")], home_files

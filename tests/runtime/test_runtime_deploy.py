@@ -43,7 +43,7 @@ def _deployments(e: LlmctlEnv) -> list[str]:
 
 
 def _assert_nothing_left(e: LlmctlEnv) -> None:
-    assert e.status() == {"deployments": []}
+    assert e.status()["deployments"] == []
     replicas = e.home / "replicas"
     for log in replicas.glob("*/replica.log") if replicas.is_dir() else []:
         pid_lines = [ln for ln in log.read_text().splitlines() if ln.startswith("=== sarv:")]
@@ -92,10 +92,16 @@ def test_deploying_twice_changes_nothing(env: LlmctlEnv) -> None:
     assert [r["pid"] for r in after["deployments"][0]["replicas"]] == [
         r["pid"] for r in before["deployments"][0]["replicas"]
     ]
-    # The same name with other settings is refused rather than silently changed.
-    other = env.llmctl("deploy", "sarv-tiny", "--engine", "sim", "--replicas", "2")
+    # Another replica count scales in place: the running replica is kept.
+    more = env.llmctl("deploy", "sarv-tiny", "--engine", "sim", "--replicas", "2", check=True)
+    assert "deployed" in more.stdout
+    [dep] = env.status()["deployments"]
+    assert dep["desired_replicas"] == 2
+    assert before["deployments"][0]["replicas"][0]["pid"] in [r["pid"] for r in dep["replicas"]]
+    # Any other change is refused rather than silently made.
+    other = env.llmctl("deploy", "sarv-tiny", "--engine", "sim", "--replicas", "2", "--max-model-len", "512")
     assert other.returncode == 2
-    assert "already exists with different replicas" in other.stderr
+    assert "already exists with different max_model_len" in other.stderr
 
 
 def test_a_dead_replica_is_replaced_by_the_next_deploy(env: LlmctlEnv) -> None:

@@ -3,15 +3,15 @@ by a stand-in launcher instead of SSH; ``sim`` on this host's declared GPUs as r
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from fixtures.fleets import gpu_fleet, llmctl_on_fleet
 from fixtures.launchers import RecordingLauncher
-from fixtures.vllm import LlmctlEnv, group_members, kill_groups
+from fixtures.vllm import LlmctlEnv, group_members
 
 from controlplane.cli.main import main
 from controlplane.engines.base import ReplicaContext
@@ -99,20 +99,8 @@ def test_sim_on_gpus_tells_its_process_which_gpus_it_holds() -> None:
 @pytest.fixture
 def gpu_host(tmp_path: Path) -> Iterator[LlmctlEnv]:
     """``llmctl`` whose fleet is this host, declared with two GPUs; whatever is left is undeployed."""
-    fleet = tmp_path / "fleet.json"
-    gpus = [{"index": i, "model": "A100-SXM4-80GB", "memory_total_mib": 81920} for i in range(2)]
-    node = {"name": "localhost", "address": "127.0.0.1", "gpus": gpus}
-    fleet.write_text(json.dumps({"version": 1, "nodes": [node]}))
-    e = LlmctlEnv.create(tmp_path / "home")
-    e.env["SARV_INVENTORY"] = str(fleet)
-    yield e
-    pids: list[int] = []
-    with contextlib.suppress(AssertionError, ValueError):
-        pids = e.replica_pids()
-        for d in e.status()["deployments"]:
-            e.llmctl("undeploy", d["name"], timeout=60)
-    left = kill_groups(pids)
-    assert not left, f"processes left running: {left}"
+    with llmctl_on_fleet(tmp_path, gpu_fleet(gpus=2, names=["localhost"])) as e:
+        yield e
 
 
 def test_sim_on_this_hosts_declared_gpus_runs_locally_on_them(gpu_host: LlmctlEnv) -> None:

@@ -3,7 +3,6 @@ tp × pp, a plan larger than its fake GPU, weights of another variant; ``llmctl 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -12,7 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fixtures.vllm import LlmctlEnv, kill_groups
+from fixtures.fleets import gpu_fleet, llmctl_on_fleet
+from fixtures.vllm import LlmctlEnv
 
 from controlplane.simulator.cli import parse_config
 from controlplane.simulator.gpu import GpuCheckError, check_gpu_stand_in
@@ -81,20 +81,8 @@ def test_the_simulator_process_exits_before_listening_with_vllms_message() -> No
 @pytest.fixture
 def gpu_host(tmp_path: Path) -> Iterator[LlmctlEnv]:
     """``llmctl`` whose fleet is this host, declared with two A100s; whatever is left is undeployed."""
-    fleet = tmp_path / "fleet.json"
-    gpus = [{"index": i, "model": "A100-SXM4-80GB", "memory_total_mib": 81920} for i in range(2)]
-    fleet.write_text(
-        json.dumps({"version": 1, "nodes": [{"name": "localhost", "address": "127.0.0.1", "gpus": gpus}]})
-    )
-    e = LlmctlEnv.create(tmp_path / "home")
-    e.env["SARV_INVENTORY"] = str(fleet)
-    yield e
-    pids: list[int] = []
-    with contextlib.suppress(AssertionError, ValueError):
-        pids = e.replica_pids()
-        for d in e.status()["deployments"]:
-            e.llmctl("undeploy", d["name"], timeout=60)
-    assert not kill_groups(pids)
+    with llmctl_on_fleet(tmp_path, gpu_fleet(gpus=2, names=["localhost"])) as e:
+        yield e
 
 
 @pytest.mark.parametrize(
@@ -116,7 +104,7 @@ def test_llmctl_deploy_reports_the_stand_ins_refusal_and_rolls_back(
     assert out.returncode == 6, out.stderr
     assert "exited with code 1 during start-up" in out.stderr
     assert reason in out.stderr
-    assert gpu_host.status() == {"deployments": []}
+    assert gpu_host.status()["deployments"] == []
 
 
 def test_llmctl_deploy_gives_the_stand_in_the_plan_and_the_gpus(gpu_host: LlmctlEnv) -> None:

@@ -108,6 +108,21 @@ def test_events_filter_order_limit_and_no_revision_bump(store: StateStore) -> No
     assert (got.type, got.reason, got.source) == ("Normal", "Scaled", "controller")
 
 
+def test_nodes_round_trip_and_bump_the_revision(store: StateStore) -> None:
+    from controlplane.state.base import NodeRecord
+
+    assert store.get_node("gpu-a") is None, "a node without a record is schedulable"
+    rev = store.revision()
+    store.put_node(NodeRecord(name="gpu-b", schedulable=False, reason="drain", updated_at=1.0))
+    store.put_node(NodeRecord(name="gpu-a", schedulable=False))
+    assert store.revision() > rev
+    store.put_node(NodeRecord(name="gpu-a"))
+    assert [(n.name, n.schedulable) for n in store.list_nodes()] == [("gpu-a", True), ("gpu-b", False)]
+    assert store.get_node("gpu-b") == NodeRecord(
+        name="gpu-b", schedulable=False, reason="drain", updated_at=1.0
+    )
+
+
 def test_usage_adds_up_per_hour_key_team_model(backend: Backend) -> None:
     from controlplane.state.base import UsageRecord
 
