@@ -319,13 +319,15 @@ def make_state(
     *,
     redis_url: str | None = None,
     key_limits: dict[str, int] | None = None,
+    team: dict[str, int] | None = None,
 ) -> tuple[dict[str, str], str]:
-    """A state store with ``(id, model, url)`` READY replicas and one API key; returns (env, key)."""
+    """A state store with ``(id, model, url)`` READY replicas and one API key (in a team ``bench`` with
+    these limits, when ``team`` is given); returns (env, key)."""
     from controlplane.gateway.auth import hash_key, new_key
     from controlplane.settings import Settings
     from controlplane.spec import EngineKind, ReplicaRecord, ReplicaState
     from controlplane.state import open_store
-    from controlplane.state.base import ApiKeyRecord
+    from controlplane.state.base import ApiKeyRecord, TeamRecord
 
     url = redis_url or f"sqlite:///{tmp / 'state.db'}"
     settings = Settings(home=tmp, state_url=url)
@@ -343,6 +345,8 @@ def make_state(
                 state=ReplicaState.READY,
             )
         )
+    if team is not None:
+        store.put_team(TeamRecord(name="bench", created_at=time.time(), **team))
     key = new_key()
     store.put_api_key(
         ApiKeyRecord(
@@ -350,6 +354,7 @@ def make_state(
             key_hash=hash_key(key),
             prefix=key[:12],
             created_at=time.time(),
+            team=None if team is None else "bench",
             **(key_limits or {}),
         )
     )

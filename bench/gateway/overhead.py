@@ -109,7 +109,7 @@ http {{
     return conf
 
 
-def check_prerequisites(peers: bool) -> dict[str, str]:
+def check_prerequisites(peers: bool, litellm: bool = True) -> dict[str, str]:
     """The programs the run needs (name -> path); stops with one line naming the first one missing."""
     tools = {
         "redis-server": require_binary("redis-server", "apt-get install redis-server"),
@@ -117,7 +117,7 @@ def check_prerequisites(peers: bool) -> dict[str, str]:
     }
     require_module("psutil", "pip install -e '.[bench]'")
     if peers:
-        for tool in ("vllm-router", "litellm"):
+        for tool in ("vllm-router", "litellm") if litellm else ("vllm-router",):
             if not (BENCH_VENV / tool).exists():
                 missing(
                     f"{tool} is not in {BENCH_VENV}", "create it with `sh bench/gateway/setup_bench_venv.sh`"
@@ -125,8 +125,23 @@ def check_prerequisites(peers: bool) -> dict[str, str]:
     return tools
 
 
+# --tenants: every level's limits (far above the load) and prices.
+_TEAM = {"rpm": 10_000_000, "tpm": 1_000_000_000, "daily_tokens": 10**12, "monthly_tokens": 10**13}
+_GATEWAY_CONFIG = {
+    "organisation": {**_TEAM, "max_prompt_tokens": 4096},
+    "models": {MODEL: {"prompt_price_per_1k": 0.0005, "completion_price_per_1k": 0.0015}},
+    "usage_flush_interval_s": 5.0,
+}
+
+
 def start_targets(
-    procs: Any, tmp: Path, sim_url: str, peers: bool, tools: dict[str, str]
+    procs: Any,
+    tmp: Path,
+    sim_url: str,
+    peers: bool,
+    tools: dict[str, str],
+    tenants: bool = False,
+    litellm: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Every proxy in front of the sim, pinned to core 1; name -> {url, pid, headers}."""
     targets: dict[str, dict[str, Any]] = {"direct": {"url": sim_url, "pid": None, "headers": {}}}
@@ -149,25 +164,30 @@ def start_targets(
         cpu=core(1),
     )
     time.sleep(0.5)
-    env, key = make_state(
-        tmp,
-        [("m1-0", MODEL, sim_url)],
-        redis_url=f"redis://127.0.0.1:{redis_port}/0",
-        key_limits={"rpm": 10_000_000, "tpm": 1_000_000_000},
-    )
-    port = free_port()
-    p = procs.start(
-        "sarv",
-        [PY, "-m", "controlplane.cli.main", "gateway", "--port", str(port), "--metrics-port", "0"],
-        cpu=core(1),
-        env=env,
-    )
-    wait_http(f"http://127.0.0.1:{port}/health")
-    targets["sarv"] = {
-        "url": f"http://127.0.0.1:{port}",
-        "pid": p.pid,
-        "headers": {"Authorization": f"Bearer {key}"},
-    }
+    # --tenants: a second Sarv beside the plain one, in the same run: its key in a team, organisation
+    # limits and prices (usage accounting is always on), the access log to a file; own Redis db.
+    variants = [("sarv", 0, False)] + ([("sarv-tenants", 1, True)] if tenants else [])
+    for name, db, on in variants:
+        env, key = make_state(
+            tmp,
+            [("m1-0", MODEL, sim_url)],
+            redis_url=f"redis://127.0.0.1:{redis_port}/{db}",
+            key_limits={"rpm": 10_000_000, "tpm": 1_000_000_000},
+            team=_TEAM if on else None,
+        )
+        port = free_port()
+        argv = [PY, "-m", "controlplane.cli.main", "gateway", "--port", str(port), "--metrics-port", "0"]
+        if on:
+            config = {**_GATEWAY_CONFIG, "access_log": {"enabled": True, "path": str(tmp / "access.jsonl")}}
+            (tmp / "gateway.yaml").write_text(json.dumps(config))
+            argv += ["--config", str(tmp / "gateway.yaml")]
+        p = procs.start(name, argv, cpu=core(1), env=env)
+        wait_http(f"http://127.0.0.1:{port}/health")
+        targets[name] = {
+            "url": f"http://127.0.0.1:{port}",
+            "pid": p.pid,
+            "headers": {"Authorization": f"Bearer {key}"},
+        }
 
     port = free_port()
     conf = nginx_conf(tmp, port, sim_url)
@@ -199,7 +219,7 @@ def start_targets(
             targets["vllm-router"] = {"url": f"http://127.0.0.1:{port}", "pid": p.pid, "headers": {}}
         except TimeoutError:
             print("vllm-router did not start; see its log")
-    if peers:
+    if peers and litellm:
         port = free_port()
         cfg = tmp / "litellm.yaml"
         cfg.write_text(
@@ -328,7 +348,7 @@ def run_profile(name: str, args: argparse.Namespace, tools: dict[str, str]) -> d
         tmp = Path(td)
         with processes(tmp / "logs") as procs:
             sim_url = sim(procs, "sim", MODEL, core(0), **prof["sim"])
-            targets = start_targets(procs, tmp, sim_url, args.peers, tools)
+            targets = start_targets(procs, tmp, sim_url, args.peers, tools, args.tenants, not args.no_litellm)
             names = list(targets)
             for stream in (True, False):
                 body = json.dumps(
@@ -370,6 +390,8 @@ def run_profile(name: str, args: argparse.Namespace, tools: dict[str, str]) -> d
             "stagger_s": stagger,
             "repeat": repeat,
             "cores": {"proxy+redis": core(1), "sim+client": core(0)},
+            "sarv_tenants": args.tenants,
+            "sarv_gateway_config": _GATEWAY_CONFIG if args.tenants else {},
         },
         "rows": rows,
     }
@@ -392,13 +414,20 @@ def main() -> None:
         "--repeat", type=int, default=None, help="runs per cell, medians reported (default: per profile)"
     )
     ap.add_argument("--peers", action="store_true", help="also LiteLLM and vllm-router (bench venv)")
+    ap.add_argument("--no-litellm", action="store_true", help="with --peers: vllm-router only")
+    ap.add_argument(
+        "--tenants",
+        action="store_true",
+        help="also a second Sarv with its key in a team, organisation limits, prices and the access log",
+    )
+    ap.add_argument("--output", default=None, help="results name (default: overhead-<profile>)")
     args = ap.parse_args()
-    tools = check_prerequisites(args.peers)
+    tools = check_prerequisites(args.peers, not args.no_litellm)
     # The load generator shares core 0 with the simulator; the proxies (and Redis) have core 1.
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(core(0))})
     for name in args.profile:
-        path = write_json(f"overhead-{name}", run_profile(name, args, tools))
+        path = write_json(args.output or f"overhead-{name}", run_profile(name, args, tools))
         print(f"wrote {path}")
         plot("overhead", path)
         time.sleep(1)

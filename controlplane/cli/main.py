@@ -22,6 +22,7 @@ from controlplane.cli import (
     runtime,
     teams,
     ui,
+    usage,
 )
 from controlplane.errors import SarvError, describe_validation_error
 
@@ -52,7 +53,20 @@ def build_app() -> typer.Typer:
     ) -> None:
         """Sarv's control plane."""
 
-    modules = (fleet, planning, runtime, operations, keys, teams, audit, gateway, infra, controller, bundle)
+    modules = (
+        fleet,
+        planning,
+        runtime,
+        operations,
+        keys,
+        teams,
+        audit,
+        usage,
+        gateway,
+        infra,
+        controller,
+        bundle,
+    )
     for module in modules:
         module.register(app)
     return app

@@ -18,20 +18,21 @@ from pydantic import BaseModel
 
 from controlplane.errors import SarvError
 from controlplane.gateway.admin import AdminListener
-from controlplane.gateway.admission import Admission
+from controlplane.gateway.admission import Admission, ratelimit_headers
 from controlplane.gateway.asgi import Receive, Scope, Send, respond, respond_error
-from controlplane.gateway.auth import KeyCache
+from controlplane.gateway.auth import KeyCache, TeamCache
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.discovery import Discovery
 from controlplane.gateway.errors import ApiError
 from controlplane.gateway.guardrails import Guardrails
 from controlplane.gateway.metrics import GatewayMetrics
-from controlplane.gateway.ratelimit import InProcessLimiter, RateLimiter
+from controlplane.gateway.ratelimit import InProcessLimiter, Level, RateLimiter
 from controlplane.gateway.requests import ENDPOINTS, RequestChecks, prompt_parts
 from controlplane.gateway.routing import Router
 from controlplane.gateway.schemas import AudioRequest, ModelCard, ModelList, openapi_document
 from controlplane.gateway.upstream import Job, Upstream, trace_headers
-from controlplane.state.base import ApiKeyRecord, StateStore
+from controlplane.gateway.usage import AccessLog, UsageRecorder
+from controlplane.state.base import StateStore
 
 # A raw ASGI callable rather than a framework: the hot path is one dict lookup per stage and the body bytes
 # go upstream untouched (no re-serialisation), to keep the per-request CPU small.
@@ -69,9 +70,14 @@ class GatewayApp:
         self.keys = KeyCache(
             store, ttl=self.config.key_cache_ttl_s, size=self.config.key_cache_size, monotonic=monotonic
         )
+        teams = TeamCache(
+            store, ttl=self.config.key_cache_ttl_s, size=self.config.key_cache_size, monotonic=monotonic
+        )
         self.admission = Admission(
             self.config.limits,
             keys=self.keys,
+            teams=teams,
+            organisation=self.config.organisation,
             limiter=self.limiter,
             router=self.router,
             metrics=self.metrics,
@@ -91,6 +97,8 @@ class GatewayApp:
         )
         self.guardrails = Guardrails(self.config.guardrails, self.upstream.ask, metrics=self.metrics)
         self.upstream.output_filter = self.guardrails.output_filter
+        self.usage = UsageRecorder(store, self.config, metrics=self.metrics, clock=clock)
+        self.access_log = AccessLog(self.config.access_log) if self.config.access_log.enabled else None
         self._mono = monotonic
         self.admin = admin
         self._session = session
@@ -120,6 +128,9 @@ class GatewayApp:
         await self._discovery.refresh()
         self._discovery.start(r.discovery_interval_s, r.scrape_interval_s)
         self._openapi = json.dumps(openapi_document()).encode()
+        self.usage.start()
+        if self.access_log is not None:
+            self.access_log.start()
         if self.admin is not None:
             await self.admin.start(self.metrics)
         if self._tune_gc:
@@ -136,6 +147,9 @@ class GatewayApp:
             self._session = None
         self.upstream.session = self._session
         await self.limiter.close()
+        await self.usage.close()
+        if self.access_log is not None:
+            await self.access_log.close()
         self._started = False
 
     # --- ASGI
@@ -204,11 +218,11 @@ class GatewayApp:
             await respond(send, 200, self._openapi or json.dumps(openapi_document()).encode())
         elif path == "/v1/models":
             try:
-                record = await self.admission.authenticate(scope)
+                levels = await self.admission.levels(await self.admission.authenticate(scope))
             except ApiError as exc:
                 await respond_error(send, exc)
                 return
-            await respond(send, 200, self._model_list(record))
+            await respond(send, 200, self._model_list(levels))
         elif path.startswith("/v1/models/"):
             await self._model_card(scope, send, path[len("/v1/models/") :])
         else:
@@ -217,11 +231,11 @@ class GatewayApp:
     async def _model_card(self, scope: Scope, send: Send, model: str) -> None:
         """``GET /v1/models/{id}``: one model or adapter card, as in the list the key sees."""
         try:
-            record = await self.admission.authenticate(scope)
+            levels = await self.admission.levels(await self.admission.authenticate(scope))
         except ApiError as exc:
             await respond_error(send, exc)
             return
-        for card in ModelList.model_validate_json(self._model_list(record)).data:
+        for card in ModelList.model_validate_json(self._model_list(levels)).data:
             if card.id == model:
                 await respond(send, 200, card.model_dump_json(exclude_none=True).encode())
                 return
@@ -230,10 +244,11 @@ class GatewayApp:
             ApiError(404, f"the model '{model}' does not exist", param="model", code="model_not_found"),
         )
 
-    def _model_list(self, record: ApiKeyRecord) -> bytes:
+    def _model_list(self, levels: tuple[Level, ...]) -> bytes:
+        """The models every level (key, team, organisation) allows."""
         cards: list[ModelCard] = []
         for name, views in sorted(self.router.models().items()):
-            if record.models and name not in record.models:
+            if any(level.models and name not in level.models for level in levels):
                 continue
             base = views[0].model
             cards.append(
@@ -255,9 +270,13 @@ class GatewayApp:
         job.request_id, job.headers = trace_headers(scope)
         status = 500
         checks = self.requests
+        known = False
         try:
             record = await self.admission.authenticate(scope)
             job.key = record.name
+            job.team = record.team or ""
+            known = True
+            levels = await self.admission.levels(record)
             body = await checks.read_body(scope, receive)
             if schema is AudioRequest:
                 req: BaseModel = checks.parse_form(scope, body)
@@ -266,13 +285,15 @@ class GatewayApp:
                 job.headers = {**job.headers, "content-type": ctype.decode("latin-1")}
             else:
                 req = checks.parse(schema, body)
-            job.model = checks.resolve_model(record, req, path)
+            job.model = checks.resolve_model(levels, req, path)
             checks.check_caps(req)
             parts = prompt_parts(req)  # once: the count, the prefix hashes and the guardrails share it
             job.info = await checks.measure(job.model, parts, req)
-            job.reserve = checks.check_lengths(record, req, job.model, job.info)
+            job.reserve = checks.check_lengths(levels, req, job.model, job.info)
             job.usage[0] = job.info.tokens
-            job.reservation = await self.admission.rate_limit(record, job.reserve)
+            admitted = await self.admission.rate_limit(levels, job.team, job.reserve)
+            job.reservations = admitted.reservations
+            job.reply_headers = ratelimit_headers(admitted)
             if self.guardrails.active:
                 body = await self.guardrails.screen_input(job.model, req, parts[0], body)
             job.body = body
@@ -284,14 +305,19 @@ class GatewayApp:
                 self.metrics.validation_rejections.labels(exc.reason).inc()
             await respond_error(send, exc, [(b"x-request-id", job.request_id.encode())])
         finally:
-            if job.reservation is not None:
-                # Refused or failed after admission: give back what it did not use.
-                await self.limiter.settle(
-                    job.reservation, job.usage[0] + job.usage[1] if job.forwarded else 0
-                )
+            if job.reservations:
+                # Settled with the real usage; refused or failed after admission: what it did not use.
+                used = job.usage[0] + job.usage[1] if job.forwarded else 0
+                for reservation in job.reservations:
+                    await self.limiter.settle(reservation, used)
             m = self.metrics
-            m.child(m.requests, job.model_label, job.key, str(status)).inc()
-            m.child(m.e2e, job.model_label).observe(self._mono() - job.start)
+            m.child(m.requests, job.model_label, job.key, job.team, str(status)).inc()
+            latency = self._mono() - job.start
+            m.child(m.e2e, job.model_label).observe(latency)
+            if known:
+                self.usage.record(job, status)
+            if self.access_log is not None:
+                self.access_log.write(job, status, latency)
 
 
 _GETS = frozenset({"/health", "/ready", "/openapi.json", "/v1/models"})

@@ -28,6 +28,8 @@ async def respond(
 
 async def respond_error(send: Send, exc: ApiError, extra: list[tuple[bytes, bytes]] | None = None) -> None:
     headers = [*JSON, *extra] if extra else list(JSON)
+    if exc.headers:
+        headers += exc.headers
     if exc.retry_after is not None:
         headers.append((b"retry-after", str(max(1, round(exc.retry_after))).encode()))
     await respond(

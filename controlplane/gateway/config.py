@@ -1,4 +1,5 @@
-"""The gateway's configuration: request caps, queues, routing weights, rate-limit defaults and guardrails."""
+"""The gateway's configuration: request caps, queues, routing weights, the organisation's limits, prices,
+usage accounting, the access log and guardrails."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from controlplane.errors import ConfigError, describe_validation_error
+from controlplane.state.base import LevelLimits
 
 __all__ = [
+    "AccessLogConfig",
     "GatewayConfig",
     "GuardrailConfig",
     "LimitsConfig",
     "ModelOverrides",
+    "OrganisationLimits",
     "RoutingConfig",
     "RoutingPolicy",
     "load_gateway_config",
@@ -123,6 +127,27 @@ class ModelOverrides(_Model):
     max_context: int | None = Field(default=None, ge=16)
     tokenizer: Path | None = None
     """A ``tokenizer.json`` (Hugging Face tokenizers) used to count prompt tokens and cut prefix blocks."""
+    prompt_price_per_1k: float | None = Field(default=None, ge=0)
+    """The operator's price of 1,000 prompt tokens (any currency); with it, usage and
+    ``sarv_gateway_cost`` show each request's cost."""
+    completion_price_per_1k: float | None = Field(default=None, ge=0)
+
+
+class OrganisationLimits(LevelLimits):
+    """Limits every request counts against, whichever its key and team (a team's limits, the same
+    fields). Every gateway of one state store must have the same."""
+
+
+class AccessLogConfig(_Model):
+    """One JSON line per proxied request (no secrets; no prompt or answer unless ``include_content``)."""
+
+    enabled: bool = False
+    path: Path | None = None
+    """A file to append to (created 0600); None: standard error."""
+    include_content: bool = False
+    """Also log the request body (prompts, messages). Off by default: prompts may hold personal data."""
+    flush_interval_s: float = Field(default=1.0, gt=0, le=60)
+    """Lines are written in batches at this interval (and at shutdown), not one write per request."""
 
 
 class GatewayConfig(_Model):
@@ -132,12 +157,18 @@ class GatewayConfig(_Model):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     guardrails: GuardrailConfig = Field(default_factory=GuardrailConfig)
     models: dict[str, ModelOverrides] = Field(default_factory=dict)
+    organisation: OrganisationLimits = Field(default_factory=OrganisationLimits)
+    access_log: AccessLogConfig = Field(default_factory=AccessLogConfig)
+    usage_flush_interval_s: float = Field(default=5.0, gt=0, le=300)
+    """Usage counts are added to the state store in batches at this interval and at shutdown; a gateway
+    that is killed (not stopped) loses at most this much of its usage record."""
     model_cache: Path | None = None
     """Model cache on this host (``llmctl gateway`` sets it from the settings): each served model's
     tokenizer is loaded from the verified weights its replicas run, so prompt lengths are exact without a
     ``models.<name>.tokenizer``; None, or weights not in this cache: the byte bound."""
     key_cache_ttl_s: float = Field(default=5.0, ge=0)
-    """How long a key lookup is trusted; a revoked key stops working within this time."""
+    """How long a key (and team) lookup is trusted; a revoked key or a changed team takes effect within
+    this time."""
     key_cache_size: int = Field(default=10000, ge=1)
 
     @model_validator(mode="after")

@@ -38,6 +38,7 @@ class ApiError(Exception):
         code: str | None = None,
         retry_after: float | None = None,
         reason: str | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -47,6 +48,8 @@ class ApiError(Exception):
         self.retry_after = retry_after
         self.reason = reason or code or "invalid"
         """Short label for the rejection metrics (bounded set)."""
+        self.headers = headers
+        """Extra response headers (``x-ratelimit-*`` on a 429)."""
 
     def body(self) -> bytes:
         return error_body(self.status, self.message, param=self.param, code=self.code)

@@ -22,8 +22,8 @@ class GatewayMetrics:
         r = self.registry
         self.requests = Counter(
             "sarv_gateway_requests",
-            "Requests by model, key name and status",
-            ["model", "key", "status"],
+            "Requests by model, key name, team and status",
+            ["model", "key", "team", "status"],
             registry=r,
         )
         self.ttft = Histogram(
@@ -46,16 +46,24 @@ class GatewayMetrics:
             buckets=_LATENCY,
             registry=r,
         )
+        # ``team`` is "" for a key without a team.
         self.prompt_tokens = Counter(
-            "sarv_gateway_prompt_tokens", "Prompt tokens", ["model", "key"], registry=r
+            "sarv_gateway_prompt_tokens", "Prompt tokens", ["model", "key", "team"], registry=r
         )
         self.completion_tokens = Counter(
-            "sarv_gateway_completion_tokens", "Completion tokens", ["model", "key"], registry=r
+            "sarv_gateway_completion_tokens", "Completion tokens", ["model", "key", "team"], registry=r
+        )
+        self.cost = Counter(
+            "sarv_gateway_cost",
+            "Cost of the tokens used, at the operator's prices per model (gateway config)",
+            ["model", "team", "key"],
+            registry=r,
         )
         self.ratelimit_rejections = Counter(
             "sarv_gateway_ratelimit_rejections",
-            "Requests refused by rate limits",
-            ["key", "reason"],
+            "Requests refused by rate limits; reason is the limit (rpm, tpm, daily, monthly), prefixed with "
+            "team_ or organisation_ when that level refused",
+            ["key", "team", "reason"],
             registry=r,
         )
         self.validation_rejections = Counter(

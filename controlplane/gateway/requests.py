@@ -16,6 +16,7 @@ from controlplane.errors import ConfigError
 from controlplane.gateway.asgi import Receive, Scope
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.errors import ApiError
+from controlplane.gateway.ratelimit import Level
 from controlplane.gateway.routing import Router
 from controlplane.gateway.schemas import (
     AudioRequest,
@@ -26,7 +27,6 @@ from controlplane.gateway.schemas import (
     ResponsesRequest,
 )
 from controlplane.gateway.tokens import PromptInfo, TokenCounter, verified_tokenizer
-from controlplane.state.base import ApiKeyRecord
 
 __all__ = ["ENDPOINTS", "PASS_THROUGH", "PromptParts", "RequestChecks", "prompt_parts"]
 
@@ -248,8 +248,8 @@ class RequestChecks:
             )
         return AudioRequest(model=model, stream=fields.get("stream", "").lower() == "true")
 
-    def resolve_model(self, record: ApiKeyRecord, req: BaseModel, path: str | None = None) -> str:
-        """The requested model, when a replica serves it and the key may use it."""
+    def resolve_model(self, levels: tuple[Level, ...], req: BaseModel, path: str | None = None) -> str:
+        """The requested model, when a replica serves it and each level (key, team, organisation) allows."""
         model = str(getattr(req, "model", ""))
         if not self._router.serves(model):
             where = f" to answer {path}" if path in PASS_THROUGH else ""
@@ -260,14 +260,15 @@ class RequestChecks:
                 code="model_not_found",
                 reason="unknown_model",
             )
-        if record.models and model not in record.models:
-            raise ApiError(
-                403,
-                f"this API key may not use the model '{model}'",
-                param="model",
-                code="model_not_allowed",
-                reason="model_not_allowed",
-            )
+        for level in levels:
+            if level.models and model not in level.models:
+                raise ApiError(
+                    403,
+                    f"{level.label} may not use the model '{model}'",
+                    param="model",
+                    code="model_not_allowed",
+                    reason="model_not_allowed",
+                )
         return model
 
     def check_caps(self, req: BaseModel) -> None:
@@ -347,8 +348,8 @@ class RequestChecks:
             return over.max_context
         return self._router.max_context(model) or self._limits.default_max_context
 
-    def check_lengths(self, record: ApiKeyRecord, req: BaseModel, model: str, info: PromptInfo) -> int:
-        """Refuse prompts over the context or the key's cap; return the tokens to reserve."""
+    def check_lengths(self, levels: tuple[Level, ...], req: BaseModel, model: str, info: PromptInfo) -> int:
+        """Refuse prompts over the context or a level's cap; return the tokens to reserve."""
         if isinstance(req, PassThroughRequest):
             # A lower bound of the text, not one prompt (rerank's documents are scored one by one): no
             # context check here, the engine makes its own. Generating routes reserve their output too.
@@ -368,15 +369,16 @@ class RequestChecks:
                 code="context_length_exceeded",
                 reason="context_length",
             )
-        cap = record.max_prompt_tokens
-        if cap is not None and info.tokens > cap:
-            raise ApiError(
-                400,
-                f"the prompt is {bound}{info.tokens} tokens; this API key allows at most {cap}",
-                param=param,
-                code="prompt_too_long",
-                reason="key_prompt_cap",
-            )
+        for level in levels:
+            cap = level.max_prompt_tokens
+            if cap is not None and info.tokens > cap:
+                raise ApiError(
+                    400,
+                    f"the prompt is {bound}{info.tokens} tokens; {level.label} allows at most {cap}",
+                    param=param,
+                    code="prompt_too_long",
+                    reason=f"{level.kind}_prompt_cap",
+                )
         if isinstance(req, EmbeddingRequest):
             return info.tokens
         asked: int | None = None

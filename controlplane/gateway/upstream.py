@@ -67,12 +67,15 @@ class Job:
     path: str
     start: float
     key: str = "none"
+    team: str = ""
+    """The key's team ("" without one), the ``team`` label of the series."""
     model: str = ""
     body: bytes = b""
     stream: bool = False
     info: PromptInfo = field(default_factory=lambda: PromptInfo(0, False, []))
     reserve: int = 0
-    reservation: Reservation | None = None
+    reservations: tuple[Reservation, ...] = ()
+    """One per level with limits (key, team, organisation), settled together."""
     forwarded: bool = False
     usage: list[int] = field(default_factory=lambda: [0, 0])
     """[prompt, completion] tokens: measured, then replaced by the replica's usage when it reports one."""
@@ -85,6 +88,13 @@ class Job:
     """The client's valid ``X-Request-Id`` or one generated; returned to the client, sent to the replica."""
     headers: dict[str, str] = field(default_factory=lambda: _JSON_HEADERS)
     """The headers of the upstream call (content type, request id, W3C trace context)."""
+    reply_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    """Added to the answer's headers (``x-ratelimit-*``)."""
+    replica: str = ""
+    """The replica of the last attempt (access log)."""
+    attempts: int = 0
+    ttft: float | None = None
+    """Seconds from the request's start to the first streamed chunk."""
 
     @property
     def model_label(self) -> str:
@@ -175,8 +185,8 @@ class Upstream:
                 watcher.cancel()
             if acquired:
                 gate.release()
-            m.child(m.prompt_tokens, job.model, job.key).inc(job.usage[0])
-            m.child(m.completion_tokens, job.model, job.key).inc(job.usage[1])
+            m.child(m.prompt_tokens, job.model, job.key, job.team).inc(job.usage[0])
+            m.child(m.completion_tokens, job.model, job.key, job.team).inc(job.usage[1])
 
     async def forward(self, send: Send, job: Job) -> int:
         """Pick a replica and call it, retrying connection failures and 502/503 on others."""
@@ -196,6 +206,8 @@ class Upstream:
                 break
             if attempt:
                 m.retries.inc()
+            job.replica = replica.id
+            job.attempts = attempt + 1
             m.child(m.routing_decisions, policy, replica.id).inc()
             router.on_start(replica, job.reserve, job.info.blocks)
             try:
@@ -263,6 +275,8 @@ class Upstream:
             headers = [(b"content-type", ctype), (b"x-sarv-replica", replica.id.encode())]
             if job.request_id:
                 headers.append((b"x-request-id", job.request_id.encode()))
+            if job.reply_headers:
+                headers += job.reply_headers
             if not job.stream or status != 200 or not ctype.startswith(b"text/event-stream"):
                 data = await resp.read()
                 if status >= 400:
@@ -300,7 +314,8 @@ class Upstream:
             if last:
                 itl.observe(now - last)
             else:
-                ttft.observe(now - job.start)
+                job.ttft = now - job.start
+                ttft.observe(job.ttft)
             last = now
             # One SSE event per token is vLLM's framing: a cheap completion count when usage is absent
             # (kept current, so that a client leaving mid-stream is charged for what it received).

@@ -8,7 +8,16 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from controlplane.spec import DeploymentRecord, ReplicaRecord
 
-__all__ = ["ApiKeyRecord", "AuditEntry", "EventRecord", "NodeRecord", "StateStore", "TeamRecord"]
+__all__ = [
+    "ApiKeyRecord",
+    "AuditEntry",
+    "EventRecord",
+    "LevelLimits",
+    "NodeRecord",
+    "StateStore",
+    "TeamRecord",
+    "UsageRecord",
+]
 
 
 class ApiKeyRecord(BaseModel):
@@ -34,18 +43,25 @@ class ApiKeyRecord(BaseModel):
     """The team the key belongs to; None: no team (only the key's own limits apply)."""
 
 
-class TeamRecord(BaseModel):
-    """A team of keys and its limits (None: no limit at this level)."""
+class LevelLimits(BaseModel):
+    """The limits of a team or the organisation (None: no limit of that kind)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     models: list[str] = Field(default_factory=list)
+    """Allowed models; empty: all."""
     rpm: int | None = Field(default=None, ge=1)
     tpm: int | None = Field(default=None, ge=1)
     daily_tokens: int | None = Field(default=None, ge=1)
     monthly_tokens: int | None = Field(default=None, ge=1)
+    """Tokens per UTC calendar month."""
     max_prompt_tokens: int | None = Field(default=None, ge=1)
+
+
+class TeamRecord(LevelLimits):
+    """A team of keys and its limits."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     created_at: float = 0.0
 
 
@@ -98,6 +114,34 @@ class NodeRecord(BaseModel):
     reason: str = ""
     """Why it was cordoned (``drain``, the operator's note); empty when schedulable."""
     updated_at: float = 0.0
+
+
+class UsageRecord(BaseModel):
+    """What one key (in one team) used of one model in one UTC hour; stores add these up."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hour: int
+    """Epoch seconds of the hour's start (a multiple of 3600)."""
+    key: str
+    """The key's name."""
+    team: str = ""
+    """"" for a key without a team."""
+    model: str
+    requests: int = 0
+    """Client requests, each counted once however many replicas the gateway tried."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    errors: int = 0
+    """Requests answered with an error (4xx other than 429, and 5xx)."""
+    rejected: int = 0
+    """Requests refused by a rate limit or quota (429)."""
+    cost: float = 0.0
+    """At the operator's prices when the request was served (0 without prices)."""
+
+    @property
+    def ident(self) -> tuple[int, str, str, str]:
+        return (self.hour, self.key, self.team, self.model)
 
 
 @runtime_checkable
@@ -153,6 +197,15 @@ class StateStore(Protocol):
         self, deployment: str | None = None, since: float = 0.0, limit: int = 1000
     ) -> list[EventRecord]:
         """Events at or after ``since``, oldest first, the newest ``limit`` of them."""
+        ...
+
+    # usage per key, team, model and hour (counters only grow; not a state change: no revision bump)
+    def add_usage(self, rows: list[UsageRecord]) -> None:
+        """Add each row's counts to the stored row of the same hour, key, team and model."""
+        ...
+
+    def list_usage(self, since: float = 0.0, until: float | None = None) -> list[UsageRecord]:
+        """Rows of the hours that start in ``[since's hour, until)``, by hour, key, team, model."""
         ...
 
     # change feed and lifecycle

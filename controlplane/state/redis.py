@@ -7,15 +7,24 @@ state is small (deployments, replicas, keys), so one slot is no capacity limit.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, SecretStr, ValidationError
 
 from controlplane.errors import ConfigError, StateError
 from controlplane.spec import DeploymentRecord, ReplicaRecord
-from controlplane.state.base import ApiKeyRecord, AuditEntry, EventRecord, NodeRecord, TeamRecord
+from controlplane.state.base import (
+    ApiKeyRecord,
+    AuditEntry,
+    EventRecord,
+    NodeRecord,
+    TeamRecord,
+    UsageRecord,
+)
 from controlplane.state.clients import RedisEndpoint, redis_error, sync_client
 
 if TYPE_CHECKING:
@@ -60,6 +69,23 @@ redis.call('HSET', KEYS[2], ARGV[2], ARGV[1])
 return redis.call('INCR', KEYS[3])
 """
 
+# KEYS[1] the hour's usage hash, KEYS[2] the sorted set of hours; ARGV[1] the hour, then field/amount pairs
+# (a field ending in "cost" is a float). One script per hour bucket: a flush is applied whole or not at all.
+_ADD_USAGE = """
+redis.call('ZADD', KEYS[2], ARGV[1], ARGV[1])
+for i = 2, #ARGV, 2 do
+  local f = ARGV[i]
+  if string.sub(f, -4) == 'cost' then
+    redis.call('HINCRBYFLOAT', KEYS[1], f, ARGV[i + 1])
+  else
+    redis.call('HINCRBY', KEYS[1], f, ARGV[i + 1])
+  end
+end
+return 1
+"""
+
+_USAGE_COUNTS = ("requests", "prompt_tokens", "completion_tokens", "errors", "rejected", "cost")
+
 
 class RedisStore:
     """:class:`~controlplane.state.base.StateStore` on Redis or Redis Cluster (redis-py's clients).
@@ -86,6 +112,8 @@ class RedisStore:
         self._nodes = tag + "nodes"
         self._audit = tag + "audit"
         self._events = tag + "events"
+        self._usage = tag + "usage:"
+        self._usage_hours = tag + "usage-hours"
         self._lock = threading.Lock()
         self._client: Any = None
         self._scripts: dict[str, Script] = {}
@@ -101,7 +129,12 @@ class RedisStore:
                     self._client = sync_client(self._endpoint, timeout_s=_TIMEOUT_S)
                     self._scripts = {
                         name: self._client.register_script(src)
-                        for name, src in (("put", _PUT), ("delete", _DELETE), ("put_key", _PUT_KEY))
+                        for name, src in (
+                            ("put", _PUT),
+                            ("delete", _DELETE),
+                            ("put_key", _PUT_KEY),
+                            ("add_usage", _ADD_USAGE),
+                        )
                     }
                 client = self._client
             return fn(client)
@@ -245,6 +278,37 @@ class RedisStore:
         kept = [e for e in events if e.at >= since and (deployment is None or e.deployment == deployment)]
         return kept[-limit:] if limit > 0 else []
 
+    # --- usage: one hash per hour, HINCRBY on fields named by (key, team, model) and the counter
+
+    def add_usage(self, rows: list[UsageRecord]) -> None:
+        by_hour: dict[int, list[str]] = {}
+        for r in rows:
+            who = json.dumps([r.key, r.team, r.model], separators=(",", ":"))
+            args = by_hour.setdefault(r.hour, [str(r.hour)])
+            for name in _USAGE_COUNTS:
+                value = getattr(r, name)
+                if value:
+                    args += [f"{who}{name}", repr(value) if name == "cost" else str(value)]
+        for hour, args in sorted(by_hour.items()):
+            self._script("add_usage", [f"{self._usage}{hour}", self._usage_hours], args)
+
+    def list_usage(self, since: float = 0.0, until: float | None = None) -> list[UsageRecord]:
+        start = int(since // 3600) * 3600
+        end = "+inf" if until is None else f"({until}"
+        hours: list[str] = self._call(lambda c: c.zrangebyscore(self._usage_hours, start, end))
+        names = [f"{self._usage}{hour}" for hour in sorted(hours, key=int)]
+        out: list[UsageRecord] = []
+        for hour, name in zip(sorted(hours, key=int), names, strict=True):
+            fields: dict[str, str] = self._call(partial(_hgetall, name))
+            rows: dict[str, dict[str, float | int]] = {}
+            for field, value in fields.items():
+                who, _, what = field.rpartition("]")
+                rows.setdefault(who + "]", {})[what] = float(value) if what == "cost" else int(value)
+            for who, counts in rows.items():
+                key, team, model = json.loads(who)
+                out.append(UsageRecord(hour=int(hour), key=key, team=team, model=model, **counts))
+        return sorted(out, key=lambda r: r.ident)
+
     # --- change feed and lifecycle
 
     def revision(self) -> int:
@@ -259,3 +323,7 @@ class RedisStore:
             client, self._client = self._client, None
         if client is not None:
             client.close()
+
+
+def _hgetall(name: str, client: Any) -> dict[str, str]:
+    return dict(client.hgetall(name))

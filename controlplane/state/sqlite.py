@@ -6,7 +6,7 @@ import os
 import sqlite3
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
@@ -15,14 +15,21 @@ from pydantic import BaseModel, SecretStr, ValidationError
 
 from controlplane.errors import StateError
 from controlplane.spec import DeploymentRecord, ReplicaRecord
-from controlplane.state.base import ApiKeyRecord, AuditEntry, EventRecord, NodeRecord, TeamRecord
+from controlplane.state.base import (
+    ApiKeyRecord,
+    AuditEntry,
+    EventRecord,
+    NodeRecord,
+    TeamRecord,
+    UsageRecord,
+)
 
 __all__ = ["SCHEMA_VERSION", "SqliteStore"]
 
 _T = TypeVar("_T")
 _M = TypeVar("_M", bound=BaseModel)
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """``PRAGMA user_version`` of the layout below; a file from a newer Sarv is refused, never rewritten."""
 
 # Version n's statements take a file from version n - 1 to n. Append, never edit a released step.
@@ -50,7 +57,13 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE INDEX events_by_deployment ON events (deployment, at)",
     ),
     4: ("CREATE TABLE nodes (name TEXT PRIMARY KEY, body TEXT NOT NULL)",),
-    5: ("CREATE TABLE engine_keys (deployment TEXT PRIMARY KEY, secret TEXT NOT NULL)",),
+    5: (
+        "CREATE TABLE usage (hour INTEGER NOT NULL, key TEXT NOT NULL, team TEXT NOT NULL, "
+        "model TEXT NOT NULL, requests INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL, "
+        "completion_tokens INTEGER NOT NULL, errors INTEGER NOT NULL, rejected INTEGER NOT NULL, "
+        "cost REAL NOT NULL, PRIMARY KEY (hour, key, team, model))",
+    ),
+    6: ("CREATE TABLE engine_keys (deployment TEXT PRIMARY KEY, secret TEXT NOT NULL)",),
 }
 
 EVENTS_KEPT = 5000
@@ -344,6 +357,61 @@ class SqliteStore:
         with self._lock:
             rows = self._guard(lambda: self._conn.execute(sql, params).fetchall())
         return [self._load(EventRecord, r[0]) for r in rows]
+
+    # --- usage
+
+    def add_usage(self, rows: list[UsageRecord]) -> None:
+        # Not a state change: readers polling the revision need not wake for it.
+        params = [
+            (
+                r.hour,
+                r.key,
+                r.team,
+                r.model,
+                r.requests,
+                r.prompt_tokens,
+                r.completion_tokens,
+                r.errors,
+                r.rejected,
+                r.cost,
+            )
+            for r in rows
+        ]
+        if params:
+            with self._lock:
+                self._guard(lambda: self._add_usage(params))
+
+    def _add_usage(self, params: Sequence[tuple[int | str | float, ...]]) -> None:
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.executemany(
+                "INSERT INTO usage (hour, key, team, model, requests, prompt_tokens, completion_tokens, "
+                "errors, rejected, cost) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (hour, key, team, model) DO UPDATE SET "
+                "requests = requests + excluded.requests, "
+                "prompt_tokens = prompt_tokens + excluded.prompt_tokens, "
+                "completion_tokens = completion_tokens + excluded.completion_tokens, "
+                "errors = errors + excluded.errors, rejected = rejected + excluded.rejected, "
+                "cost = cost + excluded.cost",
+                params,
+            )
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    def list_usage(self, since: float = 0.0, until: float | None = None) -> list[UsageRecord]:
+        start = int(since // 3600) * 3600
+        end = 1 << 62 if until is None else until
+        sql = (
+            "SELECT hour, key, team, model, requests, prompt_tokens, completion_tokens, errors, rejected, "
+            "cost FROM usage WHERE hour >= ? AND hour < ? ORDER BY hour, key, team, model"
+        )
+        with self._lock:
+            rows = self._guard(lambda: self._conn.execute(sql, (start, end)).fetchall())
+        names = list(UsageRecord.model_fields)
+        return [UsageRecord.model_validate(dict(zip(names, row, strict=True))) for row in rows]
 
     # --- change feed and lifecycle
 

@@ -132,7 +132,7 @@ def test_probes_and_metrics(setup):
         f"{gw.url}/v1/completions", headers=_auth(key), json={"model": "m1", "prompt": "x", "max_tokens": 2}
     )
     text = httpx.get(gw.metrics_url).text
-    assert 'sarv_gateway_requests_total{key="alice",model="m1",status="200"} 1.0' in text
+    assert 'sarv_gateway_requests_total{key="alice",model="m1",status="200",team=""} 1.0' in text
     assert 'sarv_gateway_routing_decisions_total{policy="prefix+load",replica="m1-0"}' in text
     assert 'sarv_gateway_replicas{state="ready"} 1.0' in text
     # the replica leaves: /ready turns 503 once discovery notices the new revision

@@ -303,7 +303,7 @@ def test_moderation_calls_are_queued_retried_ejected_and_metered_like_requests(t
     assert _metric(gw, 'sarv_gateway_routing_decisions_total{policy="round-robin",replica="guard-0"}') == sent
     assert _metric(gw, 'sarv_gateway_queue_seconds_count{model="guard"}') == sent
     assert (
-        'sarv_gateway_prompt_tokens_total{key="gateway:moderation",model="guard"}'
+        'sarv_gateway_prompt_tokens_total{key="gateway:moderation",model="guard",team=""}'
         in httpx.get(gw.metrics_url).text
     )
     assert [s["model"] for s in app.seen].count("guard") == sent

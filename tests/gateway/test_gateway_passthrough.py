@@ -76,9 +76,9 @@ def test_responses_with_the_openai_client_sync_async_and_streamed(gw, oai) -> No
 
     assert asyncio.run(run())
     text = httpx.get(gateway.metrics_url).text
-    assert 'sarv_gateway_requests_total{key="alice",model="m1",status="200"} 3.0' in text
+    assert 'sarv_gateway_requests_total{key="alice",model="m1",status="200",team=""} 3.0' in text
     # the Responses API's own usage names (input/output tokens) reach the token counters
-    assert 'sarv_gateway_completion_tokens_total{key="alice",model="m1"} 18.0' in text
+    assert 'sarv_gateway_completion_tokens_total{key="alice",model="m1",team=""} 18.0' in text
 
 
 def test_audio_transcription_with_the_openai_client_and_translation(gw, oai) -> None:

@@ -232,7 +232,7 @@ def test_gateway_answers_429_with_retry_after(limited_gateway):
     assert int(r.headers["retry-after"]) >= 1
     assert r.json()["error"]["type"] == "rate_limit_error"
     metrics = httpx.get(gw.metrics_url).text
-    assert 'sarv_gateway_ratelimit_rejections_total{key="rl",reason="rpm"} 2.0' in metrics
+    assert 'sarv_gateway_ratelimit_rejections_total{key="rl",reason="rpm",team=""} 2.0' in metrics
 
 
 def test_gateway_with_redis_down_fails_closed_when_told(limited_gateway):

@@ -123,6 +123,37 @@ def test_nodes_round_trip_and_bump_the_revision(store: StateStore) -> None:
     )
 
 
+def test_usage_adds_up_per_hour_key_team_model(backend: Backend) -> None:
+    from controlplane.state.base import UsageRecord
+
+    store = backend.open()
+    h = 1_700_002_800  # an hour's start
+    rev = store.revision()
+    row = UsageRecord(hour=h, key="bot", team="ml", model="m1", requests=2, prompt_tokens=30,
+                      completion_tokens=5, errors=1, rejected=0, cost=0.25)  # fmt: skip
+    other = UsageRecord(hour=h + 3600, key='we"ird]|key', team="", model="m2", requests=1, rejected=1)
+    store.add_usage([row, other])
+    store.add_usage([row.model_copy(update={"requests": 1, "cost": 0.5})])
+    store.add_usage([])
+    assert store.revision() == rev, "usage is not a state change"
+    got = store.list_usage()
+    assert [(r.hour, r.key, r.team, r.model) for r in got] == [
+        (h, "bot", "ml", "m1"),
+        (h + 3600, 'we"ird]|key', "", "m2"),
+    ]
+    first = got[0]
+    assert (first.requests, first.prompt_tokens, first.completion_tokens, first.errors, first.rejected) == (
+        3, 60, 10, 2, 0
+    )  # fmt: skip
+    assert first.cost == pytest.approx(0.75)
+    assert (got[1].requests, got[1].rejected, got[1].prompt_tokens) == (1, 1, 0)
+    assert [r.key for r in store.list_usage(since=h + 1)] == ["bot", 'we"ird]|key'], "since's whole hour"
+    assert [r.key for r in store.list_usage(since=h + 3600)] == ['we"ird]|key']
+    assert [r.key for r in store.list_usage(until=h + 3600)] == ["bot"]
+    # persistent: another store (a restarted gateway) reads the same rows
+    assert backend.open().list_usage() == got
+
+
 def test_deployments_round_trip(store: StateStore) -> None:
     store.put_deployment(deployment("beta"))
     store.put_deployment(deployment("alpha"))

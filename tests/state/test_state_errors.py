@@ -226,6 +226,28 @@ def test_sqlite_newer_schema_is_refused(tmp_path: Path) -> None:
     assert "\n" not in str(info.value)
 
 
+def test_sqlite_file_of_schema_3_is_migrated_keeping_its_data(tmp_path: Path) -> None:
+    from controlplane.state.base import UsageRecord
+    from controlplane.state.sqlite import _MIGRATIONS
+
+    path = tmp_path / "state.db"
+    with sqlite3.connect(path) as conn:  # a file written by the Sarv before usage accounting
+        for step in (1, 2, 3):
+            for statement in _MIGRATIONS[step]:
+                conn.execute(statement)
+        conn.execute("PRAGMA user_version = 3")
+        conn.execute("INSERT INTO teams (name, body) VALUES ('ml', '{\"name\": \"ml\"}')")
+    conn.close()
+    store = open_store(f"sqlite:///{path}")
+    assert [t.name for t in store.list_teams()] == ["ml"]
+    store.add_usage([UsageRecord(hour=3600, key="k", model="m", requests=1)])
+    assert [r.requests for r in store.list_usage()] == [1]
+    store.close()
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+    conn.close()
+
+
 def test_sqlite_not_a_database(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     path.write_bytes(b"this is not sqlite" * 100)
