@@ -13,12 +13,14 @@
     ├── StateError                 exit 5: the state store (SQLite / Redis) failed
     ├── LaunchError                exit 6: a replica failed to start; the deploy was rolled back
     │   └── WeightsError           weights missing or failing their sha256 manifest
-    └── ProvisionError             exit 7: Terraform / Ansible wrappers failed
+    ├── ProvisionError             exit 7: Terraform / Ansible wrappers failed
+    └── BundleError                exit 8: an offline bundle is incomplete, tampered with or unsigned
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "BundleError",
     "ConfigError",
     "DiscoveryError",
     "InventoryError",
@@ -102,3 +104,7 @@ def describe_validation_error(exc: object, *, what: str = "input") -> str:
         msg = msg.removeprefix("Value error, ")
         parts.append(f"{loc}: {msg}")
     return f"invalid {what}: " + "; ".join(parts)
+
+
+class BundleError(SarvError):
+    exit_code = 8

@@ -1,7 +1,8 @@
 """Settings shared by the CLI, the gateway and the controller: one YAML file plus ``SARV_*`` variables.
 
 Precedence (highest first): explicit arguments, environment (``SARV_STATE_URL``, ``SARV_INVENTORY`` …),
-the YAML config file (``$SARV_CONFIG``, else ``~/.config/sarv/config.yaml`` when present), defaults.
+the YAML config file (``$SARV_CONFIG``, else ``~/.config/sarv/config.yaml`` when present), the mirrors the
+``common`` role records (``$SARV_MIRRORS_ENV``, else ``/etc/sarv/mirrors.env`` when present), defaults.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
+    DotEnvSettingsSource,
     EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
@@ -22,7 +24,9 @@ from pydantic_settings import (
 
 from controlplane.errors import ConfigError, describe_validation_error
 
-__all__ = ["Settings", "default_config_path", "load_settings"]
+__all__ = ["Settings", "default_config_path", "load_settings", "mirrors_env_path"]
+
+_MIRRORS_ENV = Path("/etc/sarv/mirrors.env")
 
 
 def _default_home() -> Path:
@@ -36,6 +40,12 @@ def default_config_path() -> Path:
         return Path(env)
     xdg = os.environ.get("XDG_CONFIG_HOME")
     return (Path(xdg) if xdg else Path.home() / ".config") / "sarv" / "config.yaml"
+
+
+def mirrors_env_path() -> Path:
+    """The ``SARV_*`` mirror file the ``common`` role writes on every host (roles/common, mirrors.env)."""
+    env = os.environ.get("SARV_MIRRORS_ENV")
+    return Path(env) if env else _MIRRORS_ENV
 
 
 def _holds_path(annotation: Any) -> bool:
@@ -55,6 +65,14 @@ class _EnvSource(EnvSettingsSource):
         if value == "" and _holds_path(field.annotation):
             return None, key, is_complex
         return value, key, is_complex
+
+
+class _MirrorsSource(DotEnvSettingsSource):
+    """The ``common`` role's ``mirrors.env``: the ``SARV_*`` keys Settings knows; others are the engines'."""
+
+    def __call__(self) -> dict[str, Any]:
+        known = set(self.settings_cls.model_fields)
+        return {k: v for k, v in super().__call__().items() if k in known}
 
 
 class Settings(BaseSettings):
@@ -89,6 +107,14 @@ class Settings(BaseSettings):
     ray_version: str | None = None
     """Ray version every node's venv must run for process engines (``sim``, ``vllm-cpu``) across nodes;
     None: any, as long as all nodes of a replica agree. Container engines run their image's own Ray."""
+    model_store_url: str = ""
+    """The site's model store (``common_model_store_url``; a loaded bundle's ``<mirror>/models``): weights of
+    a variant with no other source are fetched from ``<model_store_url>/<model>/<variant>``."""
+    registry_mirror: str = ""
+    """The site's container registry (``common_container_registry_mirror``): with no ``vllm_image``, the
+    engine image is ``<registry host>/<vllm_image_repository>:<tag>``."""
+    pypi_index_url: str = ""
+    """The site's PyPI index (``common_pypi_index_url``), recorded for tools that install packages."""
     remote_python: str = "/opt/sarv/venv/bin/python"
     """Interpreter on remote nodes for process engines (``sim``, ``vllm-cpu``) and Ray: a venv with Sarv."""
     remote_model_cache: Path = Path("/var/lib/sarv/models")
@@ -135,11 +161,22 @@ class Settings(BaseSettings):
         sources: list[PydanticBaseSettingsSource] = [init_settings, _EnvSource(settings_cls)]
         if path.is_file():
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        mirrors = mirrors_env_path()
+        if mirrors.is_file():
+            sources.append(_MirrorsSource(settings_cls, env_file=mirrors))
         return tuple(sources)
 
     @property
     def resolved_state_url(self) -> str:
         return self.state_url or f"sqlite:///{self.home / 'state.db'}"
+
+    @property
+    def resolved_vllm_image_repository(self) -> str:
+        """``vllm_image_repository``, below the site registry's host when ``registry_mirror`` is set."""
+        if not self.registry_mirror:
+            return self.vllm_image_repository
+        host = self.registry_mirror.split("://", 1)[-1].strip("/")
+        return f"{host}/{self.vllm_image_repository}"
 
     @property
     def resolved_model_cache(self) -> Path:

@@ -348,6 +348,11 @@ class DeploymentSpec(_Model):
     name: Name
     model: str = Field(min_length=1)
     replicas: int = Field(default=1, ge=1, le=1024)
+    min_replicas: int | None = Field(default=None, ge=1, le=1024)
+    """Fewest replicas the controller's autoscaler may leave; None: the controller's policy decides
+    (its default: ``replicas``, no scaling)."""
+    max_replicas: int | None = Field(default=None, ge=1, le=1024)
+    """Most replicas the controller's autoscaler may start; None: the controller's policy decides."""
     tp: int = Field(default=1, ge=1, le=64)
     pp: int | None = Field(default=None, ge=1, le=64)
     """None lets the planner pick the smallest pipeline depth that fits."""
@@ -398,6 +403,13 @@ class DeploymentSpec(_Model):
                 raise UserError("speculative decoding is given twice: as speculative_config and speculative")
             data["speculative"] = SpeculativeConfig.parse(speculative)
         return data
+
+    @model_validator(mode="after")
+    def _replica_bounds(self) -> DeploymentSpec:
+        low, high = self.min_replicas, self.max_replicas
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"min_replicas ({low}) exceeds max_replicas ({high})")
+        return self
 
     @field_validator("sources")
     @classmethod
@@ -497,6 +509,9 @@ class ReplicaRecord(_Model):
     """Base URL, e.g. ``http://127.0.0.1:8101``; None until the engine listens."""
     state: ReplicaState = ReplicaState.PENDING
     adapters: list[str] = Field(default_factory=list)
+    weights: str | None = None
+    """The verified weights it runs, as ``<model>/<manifest digest>`` in a model cache: where a gateway
+    on a host holding the same cache finds the tokenizer (exact prompt lengths)."""
     """LoRA adapter names served by this replica (routable as models)."""
     capacity: float = Field(default=1.0, gt=0)
     """Relative throughput, used to normalise load across heterogeneous replicas."""

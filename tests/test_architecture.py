@@ -76,6 +76,8 @@ FORBIDDEN: dict[str, set[str]] = {
     "gateway": {"launchers", "remote", "controller", "placement", "cli", "simulator", "terraform"},
     "observability": {"gateway", "controller", "launchers", "cli"},
     "terraform": {"cli", "controller", "gateway", "launchers", "state"},
+    # Bundles know what a site needs (catalog, fleet, weights) and how to reach nodes (remote), never serving.
+    "bundle": {"placement", "engines", "launchers", "controller", "gateway", "state", "cli", "simulator"},
     "cli": set(),  # the top layer: the only place that prints, and nothing imports it
 }
 

@@ -10,7 +10,13 @@ import typer
 from controlplane.cli import ui
 
 if TYPE_CHECKING:
+    from contextlib import ExitStack
+
+    from controlplane.controller.deploy import Deployer
     from controlplane.controller.reconcile import ControllerConfig, PassReport, Reconciler
+    from controlplane.settings import Settings
+    from controlplane.spec import Fleet
+    from controlplane.state.base import StateStore
 
 __all__ = ["register"]
 
@@ -28,7 +34,10 @@ def _summary(report: PassReport) -> None:
     if report.targets_written:
         ui.out("targets file updated")
     for name, d in sorted(report.decisions.items()):
-        ui.out(f"{name}: {d.current} -> {d.recommended} replica(s) ({d.reason})")
+        done = "scaled" if name in report.scaled else "recommend"
+        ui.out(f"{name}: {d.current} -> {d.recommended} replica(s), {done} ({d.reason})")
+    for rid in report.restarted:
+        ui.out(f"restarted {rid}")
 
 
 async def _serve(reconciler: Reconciler, once: bool) -> PassReport | None:
@@ -49,37 +58,63 @@ async def _serve(reconciler: Reconciler, once: bool) -> PassReport | None:
     return None
 
 
-def _run(config: ControllerConfig, *, once: bool, metrics_host: str, metrics_port: int) -> None:
+def _open(
+    config: ControllerConfig, settings: Settings, inventory: Path | None, resources: ExitStack
+) -> tuple[StateStore, Deployer | None, Fleet | None]:
+    """The store, the deployer when the controller acts, and the fleet (None: no node series)."""
+    import logging
+
+    from controlplane.cli.runtime import _deployer
+    from controlplane.errors import SarvError
+    from controlplane.fleet import load_fleet
+    from controlplane.state import open_store
+
+    # Acting (scaling, restarts) needs the fleet and the launchers: the deployer `llmctl deploy` uses.
+    if config.act:
+        deployer = resources.enter_context(_deployer(inventory))
+        return deployer.store, deployer, deployer.fleet
+    store = open_store(settings.resolved_state_url, settings)
+    resources.callback(store.close)
+    try:
+        fleet = load_fleet(settings.inventory)
+    except SarvError as exc:  # the controller still probes; only the node series are left out
+        logging.getLogger("controlplane.controller").warning(
+            "fleet not loaded, no sarv_node_* series: %s", exc
+        )
+        return store, None, None
+    return store, None, fleet
+
+
+def _run(
+    config: ControllerConfig, *, once: bool, metrics_host: str, metrics_port: int, inventory: Path | None
+) -> None:
     import asyncio
     import logging
+    from contextlib import ExitStack
 
     import httpx
 
     from controlplane.controller.lease import open_lease
     from controlplane.controller.reconcile import ControllerMetrics, Reconciler, serve_metrics
     from controlplane.errors import SarvError
-    from controlplane.fleet import load_fleet
     from controlplane.settings import load_settings
-    from controlplane.state import open_store, redact_url
+    from controlplane.state import redact_url
 
     log = logging.getLogger("controlplane.controller")
-    settings = load_settings()
+    settings = load_settings(inventory=inventory)
     url = settings.resolved_state_url
-    store = open_store(url, settings)
+    resources = ExitStack()
+    store, deployer, fleet = _open(config, settings, inventory, resources)
     lease, close_lease = open_lease(url, settings, ttl_s=config.lease_ttl_s)
     metrics = ControllerMetrics()
-    try:
-        fleet = load_fleet(settings.inventory)
-    except SarvError as exc:  # the controller still probes and heals; only the node series are left out
-        log.warning("fleet not loaded, no sarv_node_* series: %s", exc)
-        fleet = None
     stop_metrics = serve_metrics(metrics, metrics_host, metrics_port) if metrics_port else None
     log.info(
-        "controller %s on %s, every %.1fs, targets %s",
+        "controller %s on %s, every %.1fs, targets %s, %s",
         lease.holder,
         redact_url(url),
         config.period_s,
         config.targets_file or "off",
+        "acting" if deployer is not None else "recommending only",
     )
 
     async def main() -> PassReport | None:
@@ -87,7 +122,13 @@ def _run(config: ControllerConfig, *, once: bool, metrics_host: str, metrics_por
         # Replicas sit on the fleet's private addresses: never route probes through an HTTP proxy.
         async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
             reconciler = Reconciler(
-                store=store, client=client, config=config, lease=lease, metrics=metrics, fleet=fleet
+                store=store,
+                client=client,
+                config=config,
+                lease=lease,
+                metrics=metrics,
+                fleet=fleet,
+                deployer=deployer,
             )
             try:
                 return await _serve(reconciler, once)
@@ -100,7 +141,7 @@ def _run(config: ControllerConfig, *, once: bool, metrics_host: str, metrics_por
         if stop_metrics is not None:
             stop_metrics()
         close_lease()
-        store.close()
+        resources.close()
     if report is None:
         log.info("controller stopped")
         return
@@ -117,7 +158,7 @@ def _run(config: ControllerConfig, *, once: bool, metrics_host: str, metrics_por
 def register(app: typer.Typer) -> None:
     """Add ``llmctl controller …`` to ``app``."""
     controller = typer.Typer(
-        help="The controller: health of replicas, Prometheus targets, autoscaling advice.",
+        help="The controller: health of replicas, Prometheus targets, autoscaling, restarts.",
         no_args_is_help=True,
     )
     app.add_typer(controller, name="controller")
@@ -153,6 +194,19 @@ def register(app: typer.Typer) -> None:
             float | None,
             typer.Option(min=0.1, help="Seconds a standby waits after the leader stops (default 15)."),
         ] = None,
+        act: Annotated[
+            bool | None,
+            typer.Option(
+                "--act/--recommend-only",
+                help="Scale deployments and restart replicas (default), or only recommend and export.",
+            ),
+        ] = None,
+        inventory: Annotated[
+            Path | None,
+            typer.Option(
+                "--inventory", "-i", envvar="SARV_INVENTORY", help="Fleet the controller places on."
+            ),
+        ] = None,
         metrics_host: Annotated[str, typer.Option(help="Address of the /metrics endpoint.")] = "127.0.0.1",
         metrics_port: Annotated[
             int | None,
@@ -163,7 +217,7 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
     ) -> None:
-        """Probe replicas, mark them ready/unhealthy, write targets, recommend replica counts."""
+        """Probe replicas, mark them ready/unhealthy, write targets, scale deployments, heal replicas."""
         import logging
 
         from controlplane.controller.reconcile import load_controller_config
@@ -176,6 +230,7 @@ def register(app: typer.Typer) -> None:
             failure_threshold=failure_threshold,
             probe_timeout_s=probe_timeout,
             lease_ttl_s=lease_ttl,
+            act=act,
         )
         port = metrics_port if metrics_port is not None else (0 if once else _METRICS_PORT)
-        _run(config, once=once, metrics_host=metrics_host, metrics_port=port)
+        _run(config, once=once, metrics_host=metrics_host, metrics_port=port, inventory=inventory)

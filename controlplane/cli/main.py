@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from controlplane import __version__
 from controlplane.cli import (
     audit,
+    bundle,
     controller,
     fleet,
     gateway,
@@ -51,7 +52,8 @@ def build_app() -> typer.Typer:
     ) -> None:
         """Sarv's control plane."""
 
-    for module in (fleet, planning, runtime, operations, keys, teams, audit, gateway, infra, controller):
+    modules = (fleet, planning, runtime, operations, keys, teams, audit, gateway, infra, controller, bundle)
+    for module in modules:
         module.register(app)
     return app
 

@@ -262,6 +262,14 @@ def register(app: typer.Typer) -> None:
         tp: Annotated[int, typer.Option(help="Tensor-parallel size (GPUs per pipeline stage).")] = 1,
         pp: Annotated[int | None, typer.Option(help="Pipeline-parallel size (default: 1).")] = None,
         replicas: Annotated[int, typer.Option(help="Number of replicas.")] = 1,
+        min_replicas: Annotated[
+            int | None,
+            typer.Option(min=1, max=1024, help="Fewest replicas the controller may scale down to."),
+        ] = None,
+        max_replicas: Annotated[
+            int | None,
+            typer.Option(min=1, max=1024, help="Most replicas the controller may scale up to."),
+        ] = None,
         engine: Annotated[
             EngineChoice,
             typer.Option(help="vllm (GPU container), vllm-cpu, sim; auto: vllm with GPUs, else vllm-cpu."),
@@ -337,6 +345,8 @@ def register(app: typer.Typer) -> None:
                 name=name or canonical,
                 model=canonical,
                 replicas=replicas,
+                min_replicas=min_replicas,
+                max_replicas=max_replicas,
                 tp=tp,
                 pp=pp,
                 quantization=quantization,

@@ -6,6 +6,7 @@ import socket
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
@@ -16,7 +17,7 @@ from controlplane.controller.events import record_event
 from controlplane.controller.health import PROBED_STATES, HealthRule, judge, probe_path
 from controlplane.engines.base import Engine, ReplicaContext, check_engine_args
 from controlplane.errors import LaunchError, NotFoundError, PlacementError, SarvError, UserError, WeightsError
-from controlplane.launchers.base import Launcher, ProcessState
+from controlplane.launchers.base import Launcher, ProcessState, ReplicaProcess
 from controlplane.launchers.local import LocalLauncher
 from controlplane.settings import Settings
 from controlplane.spec import (
@@ -233,10 +234,13 @@ class Deployer:
             return None
 
     def _model_source(self, spec: DeploymentSpec, model: ModelSpec, variant: Quantization) -> str:
-        """The weights of ``variant``: ``--source VARIANT=…``, then ``--source …``, then the catalog's."""
+        """The weights of ``variant``: ``--source VARIANT=…``, then ``--source …``, then the catalog's, then
+        the site's model store (``model_store_url``, e.g. a loaded bundle's)."""
         chosen = spec.sources.get(variant) or spec.source or model.sources.get(variant)
         if chosen:
             return chosen
+        if self.settings.model_store_url:
+            return f"{self.settings.model_store_url.rstrip('/')}/{model.name}/{variant.value}"
         if model.name == TINY_MODEL_NAME and variant is Quantization.NONE:
             # The tiny model is generated, never downloaded: deterministic, so every node gets the
             # same bytes (and the same manifest digest in the cache).
@@ -275,7 +279,7 @@ class Deployer:
             image = None
             if spec.engine is EngineKind.VLLM:
                 image = self.settings.vllm_image or self.compat.image_for(
-                    rows, self.settings.vllm_image_repository
+                    rows, self.settings.resolved_vllm_image_repository
                 )
             self._check_layout(spec, rp, index, engine)
             source = method = None
@@ -585,6 +589,7 @@ class Deployer:
                 endpoint=f"http://{launcher.host}:{chosen}",
                 state=ReplicaState.STARTING,
                 adapters=[a.name for a in spec.lora_adapters],
+                weights=f"{model.name}/{PurePath(model_dir).name}" if model_dir else None,
                 probes=launch.probes,
                 created_at=now,
                 updated_at=now,
@@ -717,6 +722,77 @@ class Deployer:
         if errors:
             raise LaunchError(f"rollback of {spec.name} incomplete: {'; '.join(errors)}")
 
+    # --- healing: one replica at a time (the controller)
+
+    def poll(self, rec: ReplicaRecord) -> ReplicaProcess | None:
+        """What the replica's launcher sees of its process; None when no launcher here can reach it."""
+        launcher = self._launcher_for_record(rec)
+        if launcher is None or not rec.handle:
+            return None
+        return launcher.poll(rec.handle)
+
+    def stop_process(self, rec: ReplicaRecord) -> None:
+        """Stop the replica's process and leave the store alone (its record may already name a successor
+        with the same id), where a launcher here can reach it."""
+        launcher = self._launcher_for_record(rec)
+        if launcher is not None and rec.handle:
+            launcher.stop(rec.handle)
+
+    def relaunch(self, name: str, index: int, *, avoid: frozenset[str] = frozenset()) -> ReplicaRecord:
+        """Start replica ``index`` of ``name`` again, without waiting for it to load; its old process is
+        stopped and its record replaced (``starting``). Where its stored placement uses a node in
+        ``avoid`` it is placed anew around every other replica on the fleet less those nodes (a
+        pipeline-parallel replica moves as a whole); no room raises :class:`PlacementError`."""
+        record = self.store.get_deployment(name)
+        if record is None:
+            raise NotFoundError(f"no deployment named {name!r}")
+        spec = record.spec
+        model = self.catalog.get(spec.model)
+        old = self.store.get_replica(f"{name}-{index}")
+        plan = record.plan
+        placed = plan.replicas[index] if index < len(plan.replicas) else None
+        if placed is None or any(s.node in avoid for s in placed.shards):
+            plan = self._replace_placement(record, model, index, avoid)
+        prepared = self._preflight(spec, model, plan, [index])
+        if old is not None:
+            try:
+                self.stop_process(old)
+            except SarvError as exc:
+                # A lost node cannot be reached: its process is stopped when it answers again.
+                self._say(old.id, f"{old.id}: could not stop the old process: {exc}")
+            self.store.delete_replica(old.id)
+        launched: list[_Launched] = []
+        self._launch_all(
+            spec, model=model, plan=plan, todo=[index], port=None, launched=launched, prepared=prepared
+        )
+        return launched[0].record
+
+    def _replace_placement(
+        self, record: DeploymentRecord, model: ModelSpec, index: int, avoid: frozenset[str]
+    ) -> Plan:
+        """``record``'s plan with replica ``index`` placed anew off ``avoid``; stored before it returns."""
+        spec = record.spec
+        own = f"{spec.name}-{index}"
+        others = [r for r in self.store.list_replicas() if r.id != own]
+        taken = [s for r in others for s in r.shards]
+        schedulable = self.schedulable_fleet()
+        fleet = schedulable.model_copy(
+            update={"nodes": [n for n in schedulable.nodes if n.name not in avoid]}
+        )
+        mates = sorted({s.node for r in others if r.deployment == spec.name for s in r.shards})
+        one = self.planner(fleet, spec.model_copy(update={"replicas": 1}), model, taken, avoid_nodes=mates)
+        if one.unplaced or not one.replicas:
+            raise PlacementError(
+                f"no room for replica {own} off {', '.join(sorted(avoid))}: {self.no_room_reason(one)}"
+            )
+        replicas = list(record.plan.replicas)
+        while len(replicas) <= index:
+            replicas.append(one.replicas[0])
+        replicas[index] = one.replicas[0]
+        plan = record.plan.model_copy(update={"replicas": replicas})
+        self.store.put_deployment(record.model_copy(update={"plan": plan, "updated_at": self.clock()}))
+        return plan
+
     # --- observe, undeploy, logs
 
     def refresh(
@@ -748,7 +824,9 @@ class Deployer:
             if proc is None or proc.state is not ProcessState.RUNNING:
                 new_state = ReplicaState.FAILED
                 code = f" (exit code {proc.exit_code})" if proc and proc.exit_code is not None else ""
-                message = f"process {rec.handle.get('pid', '?')} is not running{code}"
+                # Already failed: keep the account given then (the controller's crash loop, its back-off).
+                if rec.state is not ReplicaState.FAILED or not rec.message:
+                    message = f"process {rec.handle.get('pid', '?')} is not running{code}"
             elif rec.endpoint and rec.state in PROBED_STATES:
                 path = probe_path(rec)
                 error = _http_check(f"{rec.endpoint}{path}", self.api_key)

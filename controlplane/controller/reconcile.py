@@ -17,19 +17,30 @@ from controlplane.controller.autoscale import (
     AutoscaleConfig,
     AutoscaleContext,
     Decision,
+    Direction,
     PolicyState,
     ReplicaLoad,
     decide,
 )
+from controlplane.controller.healing import (
+    CrashRecord,
+    HealingConfig,
+    NodeWatch,
+    crash_seen,
+    node_seen,
+    restart_due,
+)
 from controlplane.controller.health import PROBED_STATES, HealthRule, Streak, judge, probe_path
-from controlplane.engines.metrics import parse_vllm_metrics
-from controlplane.errors import ConfigError, SarvError, describe_validation_error
+from controlplane.engines.metrics import QUEUE_TIME, HistogramSample, parse_histogram, parse_vllm_metrics
+from controlplane.errors import ConfigError, PlacementError, SarvError, describe_validation_error
+from controlplane.launchers.base import ProcessState, ReplicaProcess
 from controlplane.spec import DeploymentRecord, Fleet, ReplicaRecord, ReplicaState
 
 if TYPE_CHECKING:
     import httpx
     from prometheus_client import CollectorRegistry
 
+    from controlplane.controller.deploy import Deployer
     from controlplane.controller.lease import Lease
     from controlplane.state.base import StateStore
 
@@ -73,6 +84,20 @@ class ControllerConfig(BaseModel):
     """Policy of every deployment not named in ``deployments``."""
     deployments: dict[str, AutoscaleConfig] = Field(default_factory=dict)
     """Per-deployment policy, replacing ``autoscale`` for that deployment."""
+    gateway_metrics: list[str] = Field(default_factory=list, max_length=64)
+    """``/metrics`` URLs of the gateways, whose ``sarv_gateway_queue_seconds`` joins the queue-wait
+    signal (the gateway queues a request before any replica sees it)."""
+    act: bool = True
+    """Apply the autoscaler's decisions and heal replicas (where the controller can reach the launchers);
+    False only recommends, as before."""
+    unplaced_backoff_s: float = Field(default=30.0, gt=0, le=86_400)
+    """After a scale-up the planner could not place, the first wait before trying again (doubling up to
+    ``unplaced_backoff_max_s``)."""
+    unplaced_backoff_max_s: float = Field(default=600.0, gt=0, le=86_400)
+    drain_timeout_s: float = Field(default=120.0, gt=0, le=3600)
+    """How long a scale-down lets a removed replica's in-flight requests finish before stopping it."""
+    healing: HealingConfig = Field(default_factory=HealingConfig)
+    """Restart back-off, crash loops and the node grace period."""
 
     def policy_for(self, deployment: str) -> AutoscaleConfig:
         return self.deployments.get(deployment, self.autoscale)
@@ -141,6 +166,24 @@ class ControllerMetrics:
             ["deployment"],
             registry=r,
         )
+        self.decisions = Counter(
+            "sarv_autoscaler_decisions",
+            "Scaling decisions the controller applied, by deployment and direction (up|down).",
+            ["deployment", "direction"],
+            registry=r,
+        )
+        self.queue_wait = Gauge(
+            "sarv_controller_queue_wait_seconds",
+            "The autoscaler's queue-wait quantile over its window (replicas or gateway, the larger).",
+            ["deployment"],
+            registry=r,
+        )
+        self.restarts = Counter(
+            "sarv_controller_replica_restarts",
+            "Replicas the controller started again after a crash or a lost node, by reason.",
+            ["deployment", "reason"],
+            registry=r,
+        )
         self.load = Gauge(
             "sarv_controller_ongoing_requests",
             "Waiting + running requests over the deployment's measured replicas.",
@@ -206,6 +249,9 @@ class ProbeResult:
     error: str = ""
     ongoing: float | None = None
     """Waiting + running requests from the replica's /metrics (ready replicas only; None if unread)."""
+    kv_cache_usage: float | None = None
+    queue: HistogramSample | None = None
+    """Its ``vllm:request_queue_time_seconds`` histogram (cumulative)."""
 
 
 @dataclass
@@ -218,6 +264,10 @@ class PassReport:
     """Replica ids whose state this pass changed."""
     targets_written: bool = False
     decisions: dict[str, Decision] = field(default_factory=dict)
+    scaled: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Deployments this pass scaled: (from, to)."""
+    restarted: list[str] = field(default_factory=list)
+    """Replicas this pass started again (crash, lost node)."""
     failed_phases: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -244,9 +294,18 @@ class Reconciler:
     """Wall clock for ``updated_at``."""
     monotonic: Callable[[], float] = time.monotonic
     """Clock of the autoscaling delays and of phase durations."""
+    deployer: Deployer | None = None
+    """Acts: scales deployments and restarts replicas (None: recommends only, probes over HTTP)."""
     _streaks: dict[str, Streak] = field(default_factory=dict)
     _policy: dict[str, PolicyState] = field(default_factory=dict)
     _was_leader: bool = False
+    _crashes: dict[str, CrashRecord] = field(default_factory=dict)
+    _seen_restarts: dict[str, int] = field(default_factory=dict)
+    _nodes: dict[str, NodeWatch] = field(default_factory=dict)
+    _orphans: dict[str, list[ReplicaRecord]] = field(default_factory=dict)
+    """Replicas moved off a lost node whose process could not be stopped: stopped once it answers."""
+    _unplaced: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Deployment → (retry at, last back-off) after a scale-up the planner could not place."""
     _exported: set[str] = field(default_factory=set)
     """Deployments whose ``sarv_deployment_replicas`` series this controller has set."""
 
@@ -269,6 +328,10 @@ class Reconciler:
         """Drop what only the acting controller may trust: streaks and policy runs restart from zero."""
         self._streaks.clear()
         self._policy.clear()
+        self._crashes.clear()
+        self._seen_restarts.clear()
+        self._nodes.clear()
+        self._unplaced.clear()
 
     # --- one pass
 
@@ -325,8 +388,19 @@ class Reconciler:
                 ready = [r for r in replicas if r.state is ReplicaState.READY]
                 report.targets_written = write_replica_targets(self.config.targets_file, ready)
 
+        acting = self.config.act and self.deployer is not None
+        if acting:
+            with self._phase("heal", report):
+                replicas = await self._heal(deployments, replicas, probes, report)
+
+        if not self._still_leader():
+            return
         with self._phase("autoscale", report):
-            report.decisions = self._autoscale(deployments, replicas, probes)
+            gateway = await self._gateway_queues([d.name for d in deployments])
+            report.decisions = self._autoscale(deployments, replicas, probes, gateway)
+        if acting and self._still_leader():
+            with self._phase("scale", report):
+                await self._apply(deployments, replicas, report)
 
     def _take_lease(self) -> bool:
         if self.lease is None:
@@ -384,17 +458,44 @@ class Reconciler:
         if loading:
             return ProbeResult(rec.id, ok=True)
         # Health passed: a replica is not unhealthy for want of metrics; the autoscaler holds instead.
-        ongoing = None
         try:
             metrics = await self.client.get(base + rec.probes.metrics)
         except httpx.HTTPError as exc:
             logger.debug("replica %s: metrics unreadable: %s", rec.id, exc)
-        else:
-            load = parse_vllm_metrics(metrics.text) if metrics.status_code == 200 else None
-            ongoing = load.ongoing if load is not None else None
-            if ongoing is None:
-                logger.debug("replica %s: no request gauges on %s", rec.id, rec.probes.metrics)
-        return ProbeResult(rec.id, ok=True, ongoing=ongoing)
+            return ProbeResult(rec.id, ok=True)
+        text = metrics.text if metrics.status_code == 200 else ""
+        load = parse_vllm_metrics(text)
+        if load is None or load.ongoing is None:
+            logger.debug("replica %s: no request gauges on %s", rec.id, rec.probes.metrics)
+            return ProbeResult(rec.id, ok=True)
+        queue = parse_histogram(text, QUEUE_TIME)
+        return ProbeResult(
+            rec.id, ok=True, ongoing=load.ongoing, kv_cache_usage=load.kv_cache_usage, queue=queue
+        )
+
+    async def _gateway_queues(self, models: list[str]) -> dict[str, tuple[tuple[str, HistogramSample], ...]]:
+        """Each model's ``sarv_gateway_queue_seconds`` histogram, by gateway; a gateway that does not
+        answer is left out (its queue is unknown, not empty) and logged."""
+        import httpx
+
+        async def one(url: str) -> tuple[str, str]:
+            try:
+                resp = await asyncio.wait_for(self.client.get(url), timeout=self.config.probe_timeout_s)
+            except (httpx.HTTPError, TimeoutError) as exc:
+                logger.warning("gateway metrics %s unreadable: %s", url, _describe(exc))
+                return url, ""
+            return url, resp.text if resp.status_code == 200 else ""
+
+        pages = await asyncio.gather(*(one(u) for u in self.config.gateway_metrics))
+        out: dict[str, tuple[tuple[str, HistogramSample], ...]] = {}
+        for model in models:
+            found = []
+            for url, text in pages:
+                histogram = parse_histogram(text, "sarv_gateway_queue_seconds", {"model": model})
+                if histogram is not None:
+                    found.append((url, histogram))
+            out[model] = tuple(found)
+        return out
 
     # --- update
 
@@ -485,18 +586,19 @@ class Reconciler:
         deployments: list[DeploymentRecord],
         replicas: list[ReplicaRecord],
         probes: dict[str, ProbeResult],
+        gateway: dict[str, tuple[tuple[str, HistogramSample], ...]],
     ) -> dict[str, Decision]:
         decisions: dict[str, Decision] = {}
         now = self.monotonic()
         for dep in deployments:
             policy = self.config.policy_for(dep.name)
-            low, high = policy.bounds(dep.spec.replicas)
+            low, high = policy.bounds(dep.spec.replicas, dep.spec.min_replicas, dep.spec.max_replicas)
             loads = tuple(
                 _replica_load(r, probes.get(r.id))
                 for r in replicas
                 if r.deployment == dep.name and r.state in _COUNTED
             )
-            ctx = AutoscaleContext(dep.name, policy, low, high, loads, now)
+            ctx = AutoscaleContext(dep.name, policy, low, high, loads, now, gateway.get(dep.name, ()))
             previous = self._policy.get(dep.name, PolicyState())
             decision, self._policy[dep.name] = decide(ctx, previous)
             decisions[dep.name] = decision
@@ -504,9 +606,9 @@ class Reconciler:
             self.metrics.current.labels(dep.name).set(decision.current)
             if decision.load is not None:
                 self.metrics.load.labels(dep.name).set(decision.load)
+            if decision.signals.queue_wait_s is not None:
+                self.metrics.queue_wait.labels(dep.name).set(decision.signals.queue_wait_s)
             if decision.recommended != decision.current:
-                # Applying is left to the operator (or a later controller): the deploy orchestration has
-                # no call that changes a deployment's replica count in place.
                 logger.info(
                     "deployment %s: recommend %d replica(s), %d run: %s",
                     dep.name,
@@ -517,11 +619,384 @@ class Reconciler:
         gone = [name for name in self._policy if name not in decisions]
         for name in gone:
             del self._policy[name]
-            for gauge in (self.metrics.recommended, self.metrics.current, self.metrics.load):
+            self._unplaced.pop(name, None)
+            for gauge in (
+                self.metrics.recommended,
+                self.metrics.current,
+                self.metrics.load,
+                self.metrics.queue_wait,
+            ):
                 # KeyError: never set (e.g. the load of a deployment that was never measured).
                 with suppress(KeyError):
                     gauge.remove(name)
         return decisions
+
+    # --- act: scale
+
+    async def _apply(
+        self, deployments: list[DeploymentRecord], replicas: list[ReplicaRecord], report: PassReport
+    ) -> None:
+        """Apply each deployment's decision through ``scale``: one change per deployment per pass (the
+        policy bounds its step). Replicas the planner could not place wait as ``pending``; placing them
+        is tried again after a back-off (doubling), never in a tight loop."""
+        from controlplane.controller.scaling import NO_ROOM
+
+        now = self.monotonic()
+        for dep in deployments:
+            decision = report.decisions.get(dep.name)
+            pending = sum(
+                1
+                for r in replicas
+                if r.deployment == dep.name
+                and r.state is ReplicaState.PENDING
+                and r.message.startswith(NO_ROOM)
+            )
+            retry = self._unplaced.get(dep.name)
+            backing_off = retry is not None and now < retry[0]
+            direction = decision.direction if decision is not None else Direction.NONE
+            if decision is not None and (
+                direction is Direction.DOWN or (direction is Direction.UP and not backing_off)
+            ):
+                reason = f"scaled from {decision.current} to {decision.recommended}: {decision.reason}"
+                await self._scale(dep, decision.recommended, reason, report)
+            elif pending and not backing_off:
+                why = f"placing {pending} pending replica(s) again"
+                await self._scale(dep, dep.spec.replicas, why, report, retry_only=True)
+            elif backing_off and retry is not None and direction is Direction.UP:
+                logger.info(
+                    "deployment %s: scale-up backs off %.0fs more (no room)", dep.name, retry[0] - now
+                )
+
+    async def _scale(
+        self,
+        dep: DeploymentRecord,
+        replicas: int,
+        reason: str,
+        report: PassReport,
+        *,
+        retry_only: bool = False,
+    ) -> None:
+        from controlplane.controller.scaling import scale
+
+        deployer = self.deployer
+        assert deployer is not None
+        result = await asyncio.to_thread(
+            scale,
+            deployer,
+            dep.name,
+            replicas,
+            reason=reason,
+            source="controller",
+            wait=False,
+            drain_timeout=self.config.drain_timeout_s,
+            metrics=self.metrics,
+        )
+        now = self.monotonic()
+        if result.unplaced:
+            retry = self._unplaced.get(dep.name)
+            wait = self._next_backoff(retry)
+            self._unplaced[dep.name] = (now + wait, wait)
+            logger.warning(
+                "deployment %s: %d replica(s) pending (%s); placing them again in %.0fs",
+                dep.name,
+                result.unplaced,
+                result.reason,
+                wait,
+            )
+        else:
+            self._unplaced.pop(dep.name, None)
+        if not retry_only and result.after != result.before:
+            direction = Direction.UP if result.after > result.before else Direction.DOWN
+            self.metrics.decisions.labels(dep.name, direction.value).inc()
+            report.scaled[dep.name] = (result.before, result.after)
+            # The window so far was measured on the old replica set: the policy starts a new run.
+            self._policy[dep.name] = PolicyState()
+
+    def _next_backoff(self, retry: tuple[float, float] | None) -> float:
+        if retry is None:
+            return self.config.unplaced_backoff_s
+        return min(self.config.unplaced_backoff_max_s, retry[1] * 2)
+
+    def _event(
+        self,
+        reason: str,
+        message: str,
+        *,
+        deployment: str | None = None,
+        obj: str = "",
+        warning: bool = False,
+    ) -> None:
+        from controlplane.controller.events import record_event
+
+        record_event(
+            self.store,
+            reason,
+            message,
+            object=obj,
+            deployment=deployment,
+            type="Warning" if warning else "Normal",
+            source="controller",
+            metrics=self.metrics,
+            clock=self.clock,
+        )
+
+    # --- act: heal
+
+    async def _heal(
+        self,
+        deployments: list[DeploymentRecord],
+        replicas: list[ReplicaRecord],
+        probes: dict[str, ProbeResult],
+        report: PassReport,
+    ) -> list[ReplicaRecord]:
+        """Restart crashed replicas with back-off, stop crash loops, move replicas off lost nodes."""
+        known = {d.name for d in deployments}
+        from controlplane.controller.deploy import LEAVING_STATES
+
+        todo = [r for r in replicas if r.deployment in known and r.state not in LEAVING_STATES]
+        polled = await asyncio.gather(*(self._poll(r) for r in todo))
+        polls = {r.id: p for r, p in zip(todo, polled, strict=True)}
+        lost = await self._watch_nodes(replicas, probes, polls)
+        out: list[ReplicaRecord] = []
+        for rec in replicas:
+            if rec.id not in polls:
+                out.append(rec)
+            elif rec.node in lost and not self._crashes.get(rec.id, CrashRecord()).crash_loop:
+                out.append(await self._reschedule(rec, lost, report))
+            else:
+                out.append(await self._heal_one(rec, polls[rec.id], report))
+        for rid in [k for k in self._crashes if k not in {r.id for r in out}]:
+            del self._crashes[rid]
+            self._seen_restarts.pop(rid, None)
+        return out
+
+    async def _poll(self, rec: ReplicaRecord) -> ReplicaProcess | SarvError | None:
+        """The launcher's view of the replica's process; the error when its node did not answer; None
+        when no launcher here reaches it."""
+        deployer = self.deployer
+        if deployer is None or not rec.handle:
+            return None
+        try:
+            return await asyncio.to_thread(deployer.poll, rec)
+        except SarvError as exc:
+            return exc
+
+    async def _heal_one(
+        self, rec: ReplicaRecord, proc: ReplicaProcess | SarvError | None, report: PassReport
+    ) -> ReplicaRecord:
+        if not isinstance(proc, ReplicaProcess):
+            return rec
+        cfg = self.config.healing
+        now = self.monotonic()
+        record = self._crashes.get(rec.id, CrashRecord())
+        supervised = max(0, proc.restarts - self._seen_restarts.get(rec.id, 0))
+        self._seen_restarts[rec.id] = proc.restarts
+        running = proc.state is ProcessState.RUNNING
+        if record.crash_loop or (running and not supervised):
+            return rec
+        if not running and record.restart_at is None:
+            # A new crash: the process is gone, or the launcher's own restarts ran out.
+            record = crash_seen(cfg, record, now, max(1, supervised))
+        elif supervised:
+            # The launcher's supervisor restarted it: each of those restarts is a crash that counts.
+            counted = crash_seen(cfg, record, now, supervised)
+            record = counted if not running else CrashRecord(counted.crashes, None, counted.crash_loop)
+        self._crashes[rec.id] = record
+        if record.crash_loop:
+            return await self._give_up(rec, record, proc.exit_code)
+        if running:
+            return rec
+        if restart_due(record, now):
+            return await self._restart(rec, record, proc.exit_code, report)
+        return self._owed(rec, record, proc.exit_code, now)
+
+    def _owed(self, rec: ReplicaRecord, record: CrashRecord, code: int | None, now: float) -> ReplicaRecord:
+        """``rec`` marked failed with the restart it is owed (once: the countdown is not rewritten)."""
+        if rec.state is ReplicaState.FAILED and rec.message.startswith("exited"):
+            return rec
+        exit_code = f" with code {code}" if code is not None else ""
+        wait = max(0.0, (record.restart_at or now) - now)
+        return self._put(
+            rec, ReplicaState.FAILED, f"exited{exit_code}; restart {record.count} in {wait:.0f}s"
+        )
+
+    def _put(self, rec: ReplicaRecord, state: ReplicaState, message: str) -> ReplicaRecord:
+        new = rec.model_copy(update={"state": state, "message": message, "updated_at": self.clock()})
+        self.store.put_replica(new)
+        return new
+
+    async def _restart(
+        self, rec: ReplicaRecord, record: CrashRecord, code: int | None, report: PassReport
+    ) -> ReplicaRecord:
+        deployer = self.deployer
+        assert deployer is not None
+        exit_code = f" (exit code {code})" if code is not None else ""
+        try:
+            new = await asyncio.to_thread(deployer.relaunch, rec.deployment, rec.index)
+        except SarvError as exc:
+            self._crashes[rec.id] = crash_seen(self.config.healing, record, self.monotonic())
+            self._event(
+                "RestartFailed",
+                f"{rec.id}: {exc.message}",
+                deployment=rec.deployment,
+                obj=f"replica/{rec.id}",
+                warning=True,
+            )
+            return rec
+        self._seen_restarts[rec.id] = 0
+        self._crashes[rec.id] = CrashRecord(record.crashes)
+        self.metrics.restarts.labels(rec.deployment, "crash").inc()
+        report.restarted.append(rec.id)
+        self._event(
+            "Restarted",
+            f"{rec.id} crashed{exit_code}; started again (crash {record.count} in "
+            f"{self.config.healing.crash_loop_window_s:.0f} s)",
+            deployment=rec.deployment,
+            obj=f"replica/{rec.id}",
+            warning=True,
+        )
+        return new
+
+    async def _give_up(self, rec: ReplicaRecord, record: CrashRecord, code: int | None) -> ReplicaRecord:
+        deployer = self.deployer
+        assert deployer is not None
+        if rec.state is ReplicaState.FAILED and rec.message.startswith("crash loop"):
+            return rec
+        with suppress(SarvError):
+            await asyncio.to_thread(deployer.stop_process, rec)
+        cfg = self.config.healing
+        exit_code = f", last exit code {code}" if code is not None else ""
+        message = (
+            f"crash loop: {record.count} crashes in {cfg.crash_loop_window_s:.0f} s{exit_code}; "
+            f"not restarted (llmctl logs {rec.id}, then llmctl deploy)"
+        )
+        self._event(
+            "CrashLoop",
+            f"{rec.id}: {message}",
+            deployment=rec.deployment,
+            obj=f"replica/{rec.id}",
+            warning=True,
+        )
+        return self._put(rec, ReplicaState.FAILED, message)
+
+    async def _watch_nodes(
+        self,
+        replicas: list[ReplicaRecord],
+        probes: dict[str, ProbeResult],
+        polls: dict[str, ReplicaProcess | SarvError | None],
+    ) -> frozenset[str]:
+        """The nodes silent for longer than the grace period: no replica of theirs answered a probe and
+        no launcher got an answer from them (a process that exited is an answer; an SSH timeout is not).
+
+        A node that answers again is a candidate at once; replicas moved off it while it was silent
+        whose process could not be stopped then are stopped now, so none runs twice."""
+        cfg = self.config.healing
+        now = self.monotonic()
+        answered: dict[str, bool] = {}
+        for rec in replicas:
+            probe = probes.get(rec.id)
+            poll = polls.get(rec.id)
+            heard = (probe is not None and probe.ok) or isinstance(poll, ReplicaProcess)
+            if probe is not None or poll is not None:
+                answered[rec.node] = answered.get(rec.node, False) or heard
+        # A lost node whose replicas all moved away is asked through the processes left on it.
+        for node, orphans in self._orphans.items():
+            if node not in answered and orphans:
+                replies = await asyncio.gather(*(self._poll(o) for o in orphans))
+                answered[node] = any(isinstance(p, ReplicaProcess) for p in replies)
+        for node, ok in answered.items():
+            before = self._nodes.get(node, NodeWatch())
+            after = node_seen(cfg, before, now, answered=ok)
+            self._nodes[node] = after
+            if before.lost and not after.lost:
+                await self._node_back(node)
+            elif after.lost and not before.lost:
+                self._cordon_lost(node)
+                self._event(
+                    "NodeLost",
+                    f"{node} has not answered for {cfg.node_grace_s:.0f} s; its replicas move elsewhere",
+                    obj=f"node/{node}",
+                    warning=True,
+                )
+        return frozenset(n for n, w in self._nodes.items() if w.lost)
+
+    def _cordon_lost(self, node: str) -> None:
+        """Keep new placements (scale, deploy) off a lost node; an operator's cordon is left as it is."""
+        from controlplane.state.base import NodeRecord
+
+        held = self.store.get_node(node)
+        if held is None or held.schedulable:
+            self.store.put_node(
+                NodeRecord(
+                    name=node,
+                    schedulable=False,
+                    reason=f"{LOST_NODE}: not answering",
+                    updated_at=self.clock(),
+                )
+            )
+
+    async def _node_back(self, node: str) -> None:
+        deployer = self.deployer
+        assert deployer is not None
+        held = self.store.get_node(node)
+        if held is not None and not held.schedulable and held.reason.startswith(LOST_NODE):
+            # Only the controller's own cordon is lifted: an operator's stays.
+            self.store.put_node(
+                held.model_copy(update={"schedulable": True, "reason": "", "updated_at": self.clock()})
+            )
+        orphans = self._orphans.pop(node, [])
+        for old in orphans:
+            with suppress(SarvError):
+                await asyncio.to_thread(deployer.stop_process, old)
+        stopped = f"; stopped {len(orphans)} replica process(es) moved off it" if orphans else ""
+        self._event("NodeBack", f"{node} answers again and takes placements{stopped}", obj=f"node/{node}")
+
+    async def _reschedule(
+        self, rec: ReplicaRecord, lost: frozenset[str], report: PassReport
+    ) -> ReplicaRecord:
+        deployer = self.deployer
+        assert deployer is not None
+        self._orphans.setdefault(rec.node, []).append(rec)
+        try:
+            new = await asyncio.to_thread(deployer.relaunch, rec.deployment, rec.index, avoid=lost)
+        except PlacementError as exc:
+            from controlplane.controller.scaling import NO_ROOM
+
+            self._event(
+                "NoRoom",
+                f"{rec.id} stays pending: {exc.message}",
+                deployment=rec.deployment,
+                obj=f"replica/{rec.id}",
+                warning=True,
+            )
+            # A plain pending replica, as scale leaves one: the pending retry places it once there is room,
+            # after the back-off (the planner has just said no).
+            if rec.deployment not in self._unplaced:
+                wait = self._next_backoff(None)
+                self._unplaced[rec.deployment] = (self.monotonic() + wait, wait)
+            pending = rec.model_copy(
+                update={
+                    "state": ReplicaState.PENDING,
+                    "message": f"{NO_ROOM}: node {rec.node} lost; {exc.message}",
+                    "node": "",
+                    "shards": [],
+                    "handle": {},
+                    "endpoint": None,
+                    "updated_at": self.clock(),
+                }
+            )
+            self.store.put_replica(pending)
+            return pending
+        self.metrics.restarts.labels(rec.deployment, "node-lost").inc()
+        report.restarted.append(rec.id)
+        self._event(
+            "Rescheduled",
+            f"{rec.id} moved from {rec.node} (not answering) to {new.node}",
+            deployment=rec.deployment,
+            obj=f"replica/{rec.id}",
+            warning=True,
+        )
+        return new
 
     # --- loop
 
@@ -544,6 +1019,9 @@ class Reconciler:
         self._was_leader = False
         self.metrics.leader.set(0)
 
+
+LOST_NODE = "lost"
+"""Reason prefix of the cordon the controller puts on a node that stopped answering (lifted when it does)."""
 
 _COUNTED = frozenset(
     {ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY, ReplicaState.UNHEALTHY}
@@ -583,7 +1061,9 @@ def _replica_load(rec: ReplicaRecord, probe: ProbeResult | None) -> ReplicaLoad:
     if rec.state is ReplicaState.UNHEALTHY:
         # The gateway routes nothing to an unhealthy replica: its load is known, and it is zero.
         return ReplicaLoad(rec.id, ongoing=0.0)
-    return ReplicaLoad(rec.id, ongoing=probe.ongoing if probe is not None else None)
+    if probe is None:
+        return ReplicaLoad(rec.id)
+    return ReplicaLoad(rec.id, ongoing=probe.ongoing, kv_cache_usage=probe.kv_cache_usage, queue=probe.queue)
 
 
 def _describe(exc: Exception) -> str:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["VllmLoad", "parse_vllm_metrics"]
+__all__ = [
+    "QUEUE_TIME",
+    "HistogramSample",
+    "VllmLoad",
+    "parse_histogram",
+    "parse_vllm_metrics",
+]
 
 # Each measure by its names, newest first: vLLM renamed some across releases and exported both names for
 # a while, so the first name present on a page wins and the others are not added to it.
@@ -15,6 +21,8 @@ _KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 # The time requests spend waiting for a slot, as a histogram; time_in_queue_requests is the V0 name.
 _QUEUE_SUM = ("vllm:request_queue_time_seconds_sum", "vllm:time_in_queue_requests_sum")
 _QUEUE_COUNT = ("vllm:request_queue_time_seconds_count", "vllm:time_in_queue_requests_count")
+QUEUE_TIME = "vllm:request_queue_time_seconds"
+"""The histogram of the seconds each request waited for a slot (vLLM V1)."""
 _READ = frozenset(_WAITING + _RUNNING + _KV + _QUEUE_SUM + _QUEUE_COUNT)
 
 
@@ -91,3 +99,103 @@ def parse_vllm_metrics(text: str) -> VllmLoad | None:
     if load.waiting is None and load.running is None and load.kv_cache_usage is None:
         return None
     return load
+
+
+@dataclass(frozen=True)
+class HistogramSample:
+    """One scrape of a Prometheus histogram, summed over its series: cumulative counts per upper bound."""
+
+    bounds: tuple[float, ...]
+    """Upper bounds in increasing order, the last one ``+Inf``."""
+    cumulative: tuple[float, ...]
+    """Observations at or below each bound (cumulative, like the ``_bucket`` series)."""
+    sum: float = 0.0
+
+    @property
+    def count(self) -> float:
+        return self.cumulative[-1] if self.cumulative else 0.0
+
+    def since(self, older: HistogramSample) -> HistogramSample:
+        """The observations made after ``older``; all of them when the counters restarted in between
+        (a restarted engine) or the buckets differ."""
+        if older.bounds != self.bounds or any(
+            new < old for new, old in zip(self.cumulative, older.cumulative, strict=True)
+        ):
+            return self
+        cumulative = tuple(new - old for new, old in zip(self.cumulative, older.cumulative, strict=True))
+        return HistogramSample(self.bounds, cumulative, max(0.0, self.sum - older.sum))
+
+    def plus(self, other: HistogramSample) -> HistogramSample:
+        """Both histograms' observations together (same buckets; ``other`` is ignored otherwise)."""
+        if other.bounds != self.bounds:
+            return self
+        cumulative = tuple(a + b for a, b in zip(self.cumulative, other.cumulative, strict=True))
+        return HistogramSample(self.bounds, cumulative, self.sum + other.sum)
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q`` quantile, interpolated inside its bucket as Prometheus' ``histogram_quantile`` does;
+        None without observations.
+
+        vLLM's request-latency buckets start at 0.3 s, so a quantile that lands in the first bucket says
+        only "under 0.3 s": there the mean of the observations (exact, from ``_sum``) stands in, capped at
+        the bucket's bound, instead of an interpolation that would put an idle queue at 0.27 s.
+        """
+        total = self.count
+        if total <= 0:
+            return None
+        rank = q * total
+        lower, below = 0.0, 0.0
+        for index, (bound, cumulative) in enumerate(zip(self.bounds, self.cumulative, strict=True)):
+            if cumulative >= rank and cumulative > below:
+                if index == 0:
+                    return min(self.sum / total, bound)
+                if bound == float("inf"):
+                    return lower
+                return lower + (bound - lower) * (rank - below) / (cumulative - below)
+            lower, below = bound, cumulative
+        return lower
+
+
+def _labels(line: str) -> dict[str, str]:
+    """The labels of one sample line (values with escaped quotes are rare here and kept verbatim)."""
+    brace = line.find("{")
+    end = line.rfind("}")
+    if brace == -1 or end < brace:
+        return {}
+    out: dict[str, str] = {}
+    for part in line[brace + 1 : end].split('",'):
+        key, _, value = part.partition("=")
+        out[key.strip().strip(",")] = value.strip().strip('"')
+    return out
+
+
+def parse_histogram(text: str, name: str, match: dict[str, str] | None = None) -> HistogramSample | None:
+    """The histogram ``name`` of a ``/metrics`` page, summed over its series whose labels contain
+    ``match``; None when the page has no bucket of it."""
+    buckets: dict[float, float] = {}
+    total = 0.0
+    prefix = name + "_"
+    for line in text.splitlines():
+        if not line.startswith(prefix):
+            continue
+        sample = _sample(line)
+        if sample is None:
+            continue
+        series, value = sample
+        if series not in {name + "_bucket", name + "_sum"}:
+            continue
+        labels = _labels(line)
+        if match and any(labels.get(k) != v for k, v in match.items()):
+            continue
+        if series == name + "_sum":
+            total += value
+            continue
+        try:
+            bound = float(labels.get("le", ""))
+        except ValueError:
+            continue
+        buckets[bound] = buckets.get(bound, 0.0) + value
+    if not buckets:
+        return None
+    bounds = tuple(sorted(buckets))
+    return HistogramSample(bounds, tuple(buckets[b] for b in bounds), total)

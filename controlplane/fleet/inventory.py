@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ __all__ = [
     "load_document",
     "read_ansible_inventory",
     "read_fleet_file",
+    "read_inventory_vars",
 ]
 
 GPU_NODES_GROUP = "gpu_nodes"
@@ -297,9 +298,9 @@ def _check_parses(path: Path, loader: Any) -> None:
     )
 
 
-def read_ansible_inventory(path: Path) -> Fleet:
-    """Fleet nodes of an Ansible inventory (file or directory), with groups, children and vars resolved
-    by ansible-core itself (InventoryManager + VariableManager, incl. group_vars/ and host_vars/)."""
+def _resolved_hosts(path: Path, keys: Sequence[str]) -> Iterator[tuple[str, list[str], dict[str, Any]]]:
+    """Each host of an Ansible inventory (file or directory) with its groups and the templated values of
+    ``keys``, resolved by ansible-core itself (InventoryManager + VariableManager, incl. group_vars/)."""
     from ansible.errors import AnsibleError
     from ansible.inventory.manager import InventoryManager
     from ansible.parsing.dataloader import DataLoader
@@ -317,12 +318,11 @@ def read_ansible_inventory(path: Path) -> Fleet:
     except AnsibleError as exc:
         raise InventoryError(f"cannot read inventory {path}: {_ansible_error_line(exc)}") from None
 
-    nodes: list[Node] = []
     for host in inventory.get_hosts():
         hostvars = variables.get_vars(host=host, include_hostvars=False)
         templar = Templar(loader=loader, variables=hostvars)
         raw: dict[str, Any] = {}
-        for key in _HOST_VARS:
+        for key in keys:
             if key not in hostvars:
                 continue
             try:
@@ -333,13 +333,26 @@ def read_ansible_inventory(path: Path) -> Fleet:
                     hint="define the variables it refers to, or give a literal value",
                 ) from None
         groups = sorted(g.name for g in host.get_groups() if g.name not in {"all", "ungrouped"})
-        node = _node_from_vars(host.name, groups, raw)
+        yield host.name, groups, raw
+
+
+def read_ansible_inventory(path: Path) -> Fleet:
+    """Fleet nodes of an Ansible inventory (file or directory), with groups, children and vars resolved
+    by ansible-core itself (InventoryManager + VariableManager, incl. group_vars/ and host_vars/)."""
+    nodes: list[Node] = []
+    for name, groups, raw in _resolved_hosts(path, _HOST_VARS):
+        node = _node_from_vars(name, groups, raw)
         if node is not None:
             nodes.append(node)
     try:
         return Fleet(nodes=nodes)
     except ValidationError as exc:
         raise InventoryError(f"{path}: {describe_validation_error(exc, what='fleet')}") from None
+
+
+def read_inventory_vars(path: Path, keys: Sequence[str]) -> list[tuple[str, list[str], dict[str, Any]]]:
+    """Every host of the inventory (service hosts too) with its groups and the values of ``keys``."""
+    return list(_resolved_hosts(path, keys))
 
 
 def load_document(path: Path) -> object | None:

@@ -73,7 +73,11 @@ class GatewayApp:
             metrics=self.metrics,
             clock=clock,
         )
-        self.requests = RequestChecks(self.config, self.router)
+        self.requests = RequestChecks(
+            self.config,
+            self.router,
+            on_tokenizer=lambda model, exact: self.metrics.tokenizer_exact.labels(model).set(int(exact)),
+        )
         self.upstream = Upstream(
             self.config,
             router=self.router,
@@ -242,7 +246,7 @@ class GatewayApp:
             job.model = checks.resolve_model(record, req)
             checks.check_caps(req)
             parts = prompt_parts(req)  # once: the count, the prefix hashes and the guardrails share it
-            job.info = await checks.measure(job.model, parts)
+            job.info = await checks.measure(job.model, parts, req)
             job.reserve = checks.check_lengths(record, req, job.model, job.info)
             job.usage[0] = job.info.tokens
             job.reservation = await self.admission.rate_limit(record, job.reserve)

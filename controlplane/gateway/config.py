@@ -132,6 +132,10 @@ class GatewayConfig(_Model):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     guardrails: GuardrailConfig = Field(default_factory=GuardrailConfig)
     models: dict[str, ModelOverrides] = Field(default_factory=dict)
+    model_cache: Path | None = None
+    """Model cache on this host (``llmctl gateway`` sets it from the settings): each served model's
+    tokenizer is loaded from the verified weights its replicas run, so prompt lengths are exact without a
+    ``models.<name>.tokenizer``; None, or weights not in this cache: the byte bound."""
     key_cache_ttl_s: float = Field(default=5.0, ge=0)
     """How long a key lookup is trusted; a revoked key stops working within this time."""
     key_cache_size: int = Field(default=10000, ge=1)

@@ -69,6 +69,12 @@ class GatewayMetrics:
             "sarv_gateway_upstream_errors", "Failed upstream calls", ["replica"], registry=r
         )
         self.replicas = Gauge("sarv_gateway_replicas", "Known replicas by state", ["state"], registry=r)
+        self.tokenizer_exact = Gauge(
+            "sarv_gateway_tokenizer_exact",
+            "1: prompt lengths of the model are counted with its tokenizer; 0: a byte-based lower bound",
+            ["model"],
+            registry=r,
+        )
         self.limiter_errors = Counter(
             "sarv_gateway_ratelimit_backend_errors",
             "Rate-limiter backend unreachable, by what the gateway did (admitted = fail open)",

@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
+from collections.abc import Callable
+from pathlib import Path
 from typing import cast
 
 from pydantic import BaseModel, ValidationError
 
+from controlplane.errors import ConfigError
 from controlplane.gateway.asgi import Receive, Scope
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.errors import ApiError
 from controlplane.gateway.routing import Router
 from controlplane.gateway.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from controlplane.gateway.tokens import PromptInfo, TokenCounter
+from controlplane.gateway.tokens import PromptInfo, TokenCounter, verified_tokenizer
 from controlplane.state.base import ApiKeyRecord
 
 __all__ = ["ENDPOINTS", "PromptParts", "RequestChecks", "prompt_parts"]
+
+logger = logging.getLogger(__name__)
 
 ENDPOINTS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
@@ -74,10 +80,21 @@ def _cap(param: str, value: int | None, limit: int) -> None:
 class RequestChecks:
     """The request stage of one gateway (built once): every refusal here is the client's mistake (4xx)."""
 
-    def __init__(self, config: GatewayConfig, router: Router) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        router: Router,
+        *,
+        on_tokenizer: Callable[[str, bool], None] | None = None,
+    ) -> None:
         self._config = config
         self._limits = config.limits
         self._router = router
+        self._on_tokenizer = on_tokenizer
+        """Told, per served model, whether its counts are exact (a tokenizer) or the byte bound."""
+        self._weights: dict[str, str] = {}
+        """Served model → the weights ref its counter was loaded from (or is loading from)."""
+        self._loads: set[asyncio.Task[None]] = set()
         lim = config.limits
         r = config.routing
         self._counters: dict[str, TokenCounter] = {}
@@ -205,14 +222,55 @@ class RequestChecks:
         elif isinstance(req, EmbeddingRequest) and isinstance(req.input, list):
             _cap("input", len(req.input), lim.max_prompt_items)
 
-    async def measure(self, model: str, parts: PromptParts) -> PromptInfo:
-        """The prompt's tokens (exact with the model's tokenizer) and prefix blocks."""
+    async def measure(self, model: str, parts: PromptParts, req: BaseModel | None = None) -> PromptInfo:
+        """The prompt's tokens (exact with the model's tokenizer, and its chat template for a chat) and
+        prefix blocks."""
         texts, ids, messages = parts
+        self._follow_weights(model)
         counter = self._counters.get(model, self._default_counter)
+        roles = [str(m.role) for m in req.messages] if isinstance(req, ChatCompletionRequest) else None
         if counter.exact and sum(len(t) for t in texts) > _THREAD_CHARS:
             # Long prompts take milliseconds to tokenise: off the event loop (the Rust side drops the GIL).
-            return await asyncio.to_thread(counter.measure, texts, ids, messages)
-        return counter.measure(texts, ids, messages)
+            return await asyncio.to_thread(counter.measure, texts, ids, messages, roles)
+        return counter.measure(texts, ids, messages, roles)
+
+    def _follow_weights(self, model: str) -> None:
+        """Load the model's tokenizer from the weights its replicas run, once per weights revision, in the
+        background (until it is loaded the byte bound counts); a configured tokenizer always wins."""
+        cache = self._config.model_cache
+        over = self._config.models.get(model)
+        if cache is None or (over is not None and over.tokenizer is not None):
+            return
+        ref = next((v.weights for v in self._router.models().get(model, ()) if v.weights), None)
+        if ref is None or self._weights.get(model) == ref:
+            return
+        self._weights[model] = ref
+        task = asyncio.get_running_loop().create_task(self._load_from_weights(model, cache / ref))
+        self._loads.add(task)
+        task.add_done_callback(self._loads.discard)
+
+    async def _load_from_weights(self, model: str, directory: Path) -> None:
+        lim, r = self._limits, self._config.routing
+        try:
+            path, tok_config = await asyncio.to_thread(verified_tokenizer, directory)
+            counter = await asyncio.to_thread(
+                TokenCounter,
+                tokenizer_path=path,
+                max_bytes_per_token=lim.max_bytes_per_token,
+                block_tokens=r.block_tokens,
+                block_bytes=r.block_bytes,
+                max_blocks=r.max_blocks,
+                tokenizer_config=tok_config,
+            )
+        except ConfigError as exc:
+            logger.warning("prompt lengths of %s stay a byte bound: %s", model, exc.message)
+            self._counters.pop(model, None)
+            if self._on_tokenizer is not None:
+                self._on_tokenizer(model, False)
+            return
+        self._counters[model] = counter
+        if self._on_tokenizer is not None:
+            self._on_tokenizer(model, True)
 
     def max_context(self, model: str) -> int:
         over = self._config.models.get(model)

@@ -28,6 +28,8 @@ class ReplicaView:
     endpoint: str
     capacity: float = 1.0
     adapters: frozenset[str] = frozenset()
+    weights: str | None = None
+    """``<model>/<digest>`` of the verified weights (see ReplicaRecord.weights)."""
     max_model_len: int | None = None
     outstanding: int = 0
     outstanding_tokens: int = 0
@@ -80,6 +82,7 @@ class Router:
                 old.capacity = rec.capacity
                 old.adapters = frozenset(rec.adapters)
                 old.model = rec.model
+                old.weights = rec.weights
                 keep[rec.id] = old
             else:
                 view = ReplicaView(
@@ -88,6 +91,7 @@ class Router:
                     endpoint=rec.endpoint.rstrip("/"),
                     capacity=rec.capacity,
                     adapters=frozenset(rec.adapters),
+                    weights=rec.weights,
                 )
                 keep[rec.id] = view
                 new.append(view)

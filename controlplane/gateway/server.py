@@ -46,6 +46,8 @@ def build_app(settings: Settings, config_path: Path | None = None, *, tune_gc: b
     from controlplane.state import open_store
 
     config = load_gateway_config(config_path)
+    if config.model_cache is None:
+        config = config.model_copy(update={"model_cache": settings.resolved_model_cache})
     store = open_store(settings.resolved_state_url, settings)
     return GatewayApp(store=store, config=config, limiter=_limiter(settings), tune_gc=tune_gc)
 

@@ -153,6 +153,13 @@ class SimApp:
             ("POST", "/v1/chat/completions"): self._chat,
             ("POST", "/v1/embeddings"): self._embeddings,
         }
+        self._awake = asyncio.Event()
+        self._awake.set()
+        if os.environ.get("VLLM_SERVER_DEV_MODE") == "1":
+            # As vLLM: sleep mode's routes are development endpoints, registered only in dev mode.
+            self._routes[("POST", "/sleep")] = self._sleep
+            self._routes[("POST", "/wake_up")] = self._wake_up
+            self._routes[("GET", "/is_sleeping")] = self._is_sleeping
         if runtime_lora_updating():
             # As vLLM: the routes exist only when runtime adapter updating is allowed.
             self._routes[("POST", "/v1/load_lora_adapter")] = self._load_lora
@@ -178,6 +185,8 @@ class SimApp:
                 if scope["path"] in self._paths:
                     raise _HTTPError(405, "Method Not Allowed", "MethodNotAllowed")
                 raise _HTTPError(404, f"no route {scope['path']}", "NotFoundError")
+            if not self._awake.is_set() and scope["path"] in _GENERATE:
+                await self._awake.wait()  # a sleeping engine holds requests until it is woken up
             await handler(scope, receive, send)
         except _HTTPError as err:
             body = {
@@ -238,6 +247,34 @@ class SimApp:
                 }
             )
         return to_json({"object": "list", "data": cards})
+
+    # --- sleep mode
+
+    async def _sleep(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.config.enable_sleep_mode:
+            raise _HTTPError(
+                400, "Sleep mode is not enabled: start the engine with --enable-sleep-mode", "BadRequestError"
+            )
+        query = dict(p.partition("=")[::2] for p in scope.get("query_string", b"").decode().split("&") if p)
+        level = query.get("level", "1")
+        if level not in {"0", "1", "2"}:
+            raise _bad_request(f"level must be 0, 1 or 2, not {level!r}", "level")
+        if self._awake.is_set():
+            self._awake.clear()  # new requests wait for the wake-up from now on
+            await asyncio.sleep(self.config.sleep_s)
+            self.metrics.sleep_level = max(1, int(level))
+        await _respond(send, 200, to_json({"status": "sleeping", "level": int(level)}), _JSON)
+
+    async def _wake_up(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self._awake.is_set():
+            level2 = self.metrics.sleep_level == 2
+            await asyncio.sleep(self.config.wake_level2_s if level2 else self.config.wake_s)
+            self.metrics.sleep_level = 0
+            self._awake.set()
+        await _respond(send, 200, to_json({"status": "awake", "tags": None}), _JSON)
+
+    async def _is_sleeping(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _respond(send, 200, to_json({"is_sleeping": not self._awake.is_set()}), _JSON)
 
     async def _load_lora(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/load_lora_adapter`` with vLLM's checks and answers (a text body on success)."""
@@ -749,6 +786,9 @@ async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[byt
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+_GENERATE = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
 
 
 def create_app(config: SimConfig, *, on_crash: Callable[[], None] | None = None) -> SimApp:

@@ -115,6 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         sys.stderr.write(f"error: {err}\n")
         return err.exit_code
+    if config.exit_at_start is not None:
+        sys.stderr.write(f"ERROR sim: exit_at_start: exiting with status {config.exit_at_start}\n")
+        return config.exit_at_start
     from controlplane.simulator.gpu import GpuCheckError, check_gpu_stand_in
 
     try:

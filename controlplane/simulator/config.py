@@ -71,9 +71,21 @@ class SimConfig(BaseModel):
     """Fraction of inference requests that are never answered (until the client gives up)."""
     crash_after: int | None = Field(default=None, ge=1)
     """Exit the process (status 1) once this many inference requests have finished."""
+    exit_at_start: int | None = Field(default=None, ge=1, le=255)
+    """Exit with this status right after start, before listening: an engine that cannot start (a crash
+    loop rehearsal)."""
     slow_start_s: float = Field(default=0.0, ge=0.0, le=3600.0)
     """Answer 503 on ``/health`` and ``/v1/*`` for this long after start, like an engine still loading."""
     embedding_dim: int = Field(default=384, ge=1, le=16384)
+    # --- vLLM's sleep mode (routes only with VLLM_SERVER_DEV_MODE=1, as vLLM)
+    enable_sleep_mode: bool = False
+    """vLLM's ``--enable-sleep-mode``: ``POST /sleep`` frees the GPU, ``POST /wake_up`` restores it."""
+    sleep_s: float = Field(default=0.2, ge=0.0, le=600.0)
+    """Time ``/sleep`` takes (level 1: weights copied to host memory; level 2: discarded)."""
+    wake_s: float = Field(default=0.5, ge=0.0, le=600.0)
+    """Time ``/wake_up`` takes after a level-1 sleep (weights copied back from host memory)."""
+    wake_level2_s: float = Field(default=5.0, ge=0.0, le=3600.0)
+    """Time ``/wake_up`` takes after a level-2 sleep (weights reloaded from the model cache)."""
     # --- standing in for a GPU engine (checked at start-up by ``controlplane.simulator.gpu``)
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     pipeline_parallel_size: int = Field(default=1, ge=1, le=64)

@@ -88,6 +88,8 @@ class SimMetrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.preemptions = 0
+        self.sleep_level = 0
+        """0 awake, 1 weights offloaded, 2 weights discarded (vLLM's engine_sleep_state)."""
         self.success: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0}
         tokens = _token_buckets(max_model_len)
         self.ttft = Histogram(_TTFT)
@@ -161,6 +163,13 @@ class SimMetrics:
             "Number of generation tokens processed.",
             self.generation_tokens,
         )
+        family("vllm:engine_sleep_state", "gauge", "Engine sleep state; awake = 1 means engine is awake.")
+        for state, value in (
+            ("awake", self.sleep_level == 0),
+            ("weights_offloaded", self.sleep_level == 1),
+            ("discard_all", self.sleep_level == 2),
+        ):
+            out.append(f'vllm:engine_sleep_state{{{lb},sleep_state="{state}"}} {_fmt(int(value))}\n')
         family("vllm:request_success_total", "counter", "Count of successfully processed requests.")
         for reason, n in self.success.items():
             out.append(f'vllm:request_success_total{{{lb},finished_reason="{reason}"}} {_fmt(n)}\n')

@@ -26,6 +26,7 @@ from controlplane.errors import WeightsError
 __all__ = [
     "MANIFEST_NAME",
     "WeightsPolicy",
+    "cache_digest",
     "ensure_weights",
     "read_manifest",
     "read_source_json",
@@ -65,6 +66,11 @@ def sha256_file(path: Path) -> str:
 
 def _manifest_text(entries: dict[str, str]) -> str:
     return "".join(f"{digest}  {name}\n" for name, digest in sorted(entries.items()))
+
+
+def cache_digest(entries: dict[str, str]) -> str:
+    """The name of a verified copy's directory in a model cache (``<cache>/<model>/<digest>``)."""
+    return hashlib.sha256(_manifest_text(entries).encode()).hexdigest()[:16]
 
 
 def write_manifest(directory: Path) -> dict[str, str]:
@@ -326,8 +332,7 @@ def ensure_weights(
         entries = read_manifest(src)
     _check_policy(entries, policy, source)
 
-    digest = hashlib.sha256(_manifest_text(entries).encode()).hexdigest()[:16]
-    dest = cache.expanduser().resolve() / model / digest
+    dest = cache.expanduser().resolve() / model / cache_digest(entries)
     if dest.is_dir():
         if not _stamp_valid(dest, entries):
             if progress:

@@ -16,6 +16,7 @@ from controlplane.controller.autoscale import (
     ReplicaLoad,
     decide,
 )
+from controlplane.engines.metrics import HistogramSample, parse_histogram
 
 
 class FakeClock:
@@ -44,7 +45,16 @@ def ctx(
     **config: object,
 ) -> AutoscaleContext:
     cfg = AutoscaleConfig.model_validate(
-        {"target_ongoing_requests": 4, "upscale_delay_s": 0, "downscale_delay_s": 0, **config}
+        {
+            "target_ongoing_requests": 4,
+            "upscale_delay_s": 0,
+            "load_upscale_delay_s": 0,
+            "downscale_delay_s": 0,
+            "max_step_up": 64,
+            "max_step_down": 64,
+            "window_s": 1,
+            **config,
+        }
     )
     return AutoscaleContext("d", cfg, low, high, tuple(replicas), now)
 
@@ -182,7 +192,7 @@ def test_one_period_in_the_band_resets_the_upscale_run() -> None:
     d, state = decide(ctx(loads(8, 8), clock.now, upscale_delay_s=30), state)
     d, state = decide(ctx(loads(8, 8), clock.advance(20), upscale_delay_s=30), state)
     d, state = decide(ctx(loads(4, 4), clock.advance(10), upscale_delay_s=30), state)  # a dip
-    assert state == PolicyState()
+    assert (state.direction, state.since, state.periods) == (Direction.NONE, None, 0)
     d, state = decide(ctx(loads(8, 8), clock.advance(10), upscale_delay_s=30), state)
     assert d.recommended == 2  # the run starts again from this period
     d, state = decide(ctx(loads(8, 8), clock.advance(30), upscale_delay_s=30), state)
@@ -274,3 +284,192 @@ def test_decide_is_pure() -> None:
     state = PolicyState(Direction.UP, 0.0, 3)
     assert decide(c, state) == decide(c, state)
     assert state == PolicyState(Direction.UP, 0.0, 3)
+
+
+# --- queue wait and KV-cache usage over the window
+
+_VLLM_BOUNDS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, float("inf"))
+
+
+def histogram(waits: Sequence[float], bounds: tuple[float, ...] = _VLLM_BOUNDS) -> HistogramSample:
+    cumulative = tuple(float(sum(1 for w in waits if w <= b)) for b in bounds)
+    return HistogramSample(bounds, cumulative, float(sum(waits)))
+
+
+def queued(replica_id: str, waits: Sequence[float], ongoing: float = 4.0, kv: float = 0.1) -> ReplicaLoad:
+    return ReplicaLoad(replica_id, ongoing=ongoing, kv_cache_usage=kv, queue=histogram(waits))
+
+
+def test_quantile_interpolates_inside_its_bucket() -> None:
+    h = histogram([0.4] * 10)  # all in (0.3, 0.5]
+    assert h.quantile(0.9) == pytest.approx(0.3 + 0.2 * 0.9)
+    assert histogram([]).quantile(0.9) is None
+
+
+def test_quantile_in_the_first_bucket_is_the_mean_not_an_interpolation() -> None:
+    # Idle queues: every wait a few ms. Interpolating in [0, 0.3] would say 0.27 s > 0.2 s.
+    h = histogram([0.001] * 50)
+    assert h.quantile(0.9) == pytest.approx(0.001)
+
+
+def test_since_is_the_difference_and_everything_after_a_counter_restart() -> None:
+    old, new = histogram([0.1, 0.4]), histogram([0.1, 0.4, 0.9, 0.9])
+    delta = new.since(old)
+    assert delta.cumulative == histogram([0.9, 0.9]).cumulative
+    assert delta.sum == pytest.approx(1.8)
+    assert old.since(new) == old  # the engine restarted: its counters began again
+
+
+def test_parse_histogram_sums_series_and_filters_by_label() -> None:
+    text = (
+        'sarv_gateway_queue_seconds_bucket{model="a",le="0.1"} 3.0\n'
+        'sarv_gateway_queue_seconds_bucket{model="a",le="+Inf"} 4.0\n'
+        'sarv_gateway_queue_seconds_sum{model="a"} 0.9\n'
+        'sarv_gateway_queue_seconds_bucket{model="b",le="0.1"} 7.0\n'
+        'sarv_gateway_queue_seconds_bucket{model="b",le="+Inf"} 7.0\n'
+        'sarv_gateway_queue_seconds_count{model="a"} 4.0\n'
+    )
+    h = parse_histogram(text, "sarv_gateway_queue_seconds", {"model": "a"})
+    assert h == HistogramSample((0.1, float("inf")), (3.0, 4.0), 0.9)
+    assert parse_histogram(text, "sarv_gateway_queue_seconds", {"model": "c"}) is None
+
+
+def _queue_run(waits_per_period: Sequence[Sequence[float]], **config: object) -> list[Decision]:
+    """Two replicas; each period each of them dequeues the given waits (on top of what came before)."""
+    clock = FakeClock()
+    state = PolicyState()
+    seen: list[float] = []
+    out = []
+    for waits in waits_per_period:
+        seen.extend(waits)
+        replicas = (queued("d-0", seen), queued("d-1", seen))
+        d, state = decide(ctx(replicas, clock.now, **{"window_s": 30, **config}), state)  # type: ignore[arg-type]
+        out.append(d)
+        clock.advance(5)
+    return out
+
+
+def test_queue_wait_over_the_target_scales_up_although_requests_per_replica_are_on_target() -> None:
+    decisions = _queue_run([[0.01] * 10, [0.01] * 10, [0.6] * 10], max_step_up=1)
+    assert [d.recommended for d in decisions] == [2, 2, 3]
+    assert decisions[-1].reason.startswith("queue wait p90 0.")
+    assert decisions[-1].reason.endswith("s > 0.20 s")
+
+
+def test_the_further_over_the_target_the_larger_the_step() -> None:
+    # p90 about 0.46 s, 2.3 × the target: 2 replicas become ceil(2 × 2.3) = 5, bounded by max_step_up.
+    decisions = _queue_run([[0.01] * 10, [0.45] * 10], max_step_up=8)
+    assert decisions[-1].recommended == 5
+    assert _queue_run([[0.01] * 10, [0.45] * 10], max_step_up=2)[-1].recommended == 4
+
+
+def test_short_queue_waits_change_nothing() -> None:
+    decisions = _queue_run([[0.01] * 10] * 5)
+    assert {d.recommended for d in decisions} == {2}
+
+
+def test_waits_that_left_the_window_no_longer_count() -> None:
+    # A burst of long waits, then 40 s of short ones: the 30 s window has forgotten the burst.
+    decisions = _queue_run([[0.01] * 10, [0.9] * 10, *[[0.01] * 10] * 8], max_replicas=2)
+    assert decisions[1].signals.queue_wait_s is not None
+    assert decisions[1].signals.queue_wait_s > 0.2
+    last = decisions[-1].signals.queue_wait_s
+    assert last is not None
+    assert last < 0.2
+
+
+def test_gateway_queue_wait_scales_up_too() -> None:
+    clock = FakeClock()
+    bounds = (0.1, 0.25, 0.5, float("inf"))
+    replicas = (queued("d-0", []), queued("d-1", []))
+    first = (("gw", histogram([0.01] * 5, bounds)),)
+    later = (("gw", histogram([0.01] * 5 + [0.4] * 20, bounds)),)
+    cfg = {"target_ongoing_requests": 4, "upscale_delay_s": 0, "max_step_up": 1}
+    c0 = AutoscaleContext("d", AutoscaleConfig.model_validate(cfg), 1, 5, replicas, clock.now, first)
+    _, state = decide(c0, PolicyState())
+    c1 = AutoscaleContext("d", c0.config, 1, 5, replicas, clock.advance(5), later)
+    d, _ = decide(c1, state)
+    assert d.recommended == 3
+    assert d.reason.startswith("gateway queue wait p90")
+
+
+def test_kv_cache_must_stay_high_for_its_window() -> None:
+    clock = FakeClock()
+    state = PolicyState()
+    out = []
+    for kv in (0.95, 0.95, 0.95, 0.5, 0.95, 0.95, 0.95):
+        replicas = (queued("d-0", [], kv=kv), queued("d-1", [], kv=kv))
+        d, state = decide(ctx(replicas, clock.now, kv_cache_window_s=10), state)
+        out.append(d.recommended)
+        clock.advance(5)
+    assert out == [2, 2, 3, 2, 2, 2, 3]
+
+
+def test_one_decision_adds_at_most_max_step_up() -> None:
+    d = once(loads(40, 40), max_step_up=2)
+    assert (d.current, d.recommended) == (2, 4)
+
+
+def test_one_decision_removes_at_most_max_step_down() -> None:
+    d = once(loads(0, 0, 0, 0, 0), max_step_down=1)
+    assert (d.current, d.recommended) == (5, 4)
+
+
+def test_queue_pressure_waits_for_replicas_still_loading() -> None:
+    clock = FakeClock()
+    state = PolicyState()
+    seen: list[float] = []
+    for waits in ([0.01] * 10, [0.9] * 10):
+        seen.extend(waits)
+        replicas = (queued("d-0", seen), queued("d-1", seen), ReplicaLoad("d-2", loading=True))
+        d, state = decide(ctx(replicas, clock.now, window_s=30), state)
+        clock.advance(5)
+    assert (d.current, d.recommended) == (3, 3)
+    assert "loading are capacity on its way" in d.reason
+
+
+def test_a_new_measured_replica_starts_a_new_window() -> None:
+    clock = FakeClock()
+    seen = [0.01] * 10
+    _, state = decide(ctx((queued("d-0", seen),), clock.now), PolicyState())
+    seen = seen + [0.9] * 10
+    d, state = decide(ctx((queued("d-0", seen), queued("d-1", [])), clock.advance(5)), state)
+    # The long waits were before d-1 joined: the window restarted, nothing to compare with yet.
+    assert d.signals.queue_wait_s is None
+    assert len(state.samples) == 1
+
+
+def test_deployment_bounds_win_over_the_policy_and_the_requested_count() -> None:
+    cfg = AutoscaleConfig(min_replicas=1, max_replicas=4)
+    assert cfg.bounds(2, 2, 8) == (2, 8)
+    assert cfg.bounds(2, None, 8) == (1, 8)
+    assert AutoscaleConfig().bounds(3, None, 6) == (3, 6)
+
+
+def test_request_count_alone_waits_for_load_upscale_delay_but_queue_wait_does_not() -> None:
+    clock = FakeClock()
+    d, state = decide(ctx(loads(8, 8), clock.now, load_upscale_delay_s=30), PolicyState())
+    assert d.recommended == 2
+    assert "upscale to 4 pending" in d.reason
+    d, _ = decide(ctx(loads(8, 8), clock.advance(30), load_upscale_delay_s=30), state)
+    assert d.recommended == 4
+    waits = _queue_run([[0.01] * 10, [0.6] * 10], load_upscale_delay_s=600, max_step_up=1)
+    assert waits[-1].recommended == 3
+
+
+def test_scales_down_only_to_a_count_below_the_band() -> None:
+    # 3 replicas carrying 7.5 in all (target 4, band 3.6-4.4): 2 replicas would carry 3.75 each, inside
+    # the band's top half; the next burst would ask for the third back. Stays at 3 until the load falls.
+    assert once(loads(2.5, 2.5, 2.5)).recommended == 3
+    assert once(loads(2.0, 2.0, 2.0)).recommended == 2
+
+
+def test_a_one_period_burst_is_averaged_over_the_window() -> None:
+    clock = FakeClock()
+    state = PolicyState()
+    for ongoing in (4, 4, 4, 4, 4):
+        _, state = decide(ctx(loads(ongoing, ongoing), clock.now, window_s=30), state)
+        clock.advance(5)
+    d, _ = decide(ctx(loads(6, 6), clock.now, window_s=30), state)
+    assert d.recommended == 2  # 6 per replica this period, 4.33 over the window: inside the band
+    assert d.signals.load == pytest.approx((5 * 8 + 12) / 6)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -35,19 +34,6 @@ from controlplane.spec import (
 )
 from controlplane.state import StateStore, open_store
 from controlplane.state.base import NodeRecord
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[StateStore]:
-    s = open_store(f"sqlite:///{tmp_path / 'state.db'}")
-    yield s
-    s.close()
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=2.0, trust_env=False) as c:
-        yield c
 
 
 def replica(name: str, index: int, endpoint: str, state: ReplicaState = ReplicaState.READY) -> ReplicaRecord:

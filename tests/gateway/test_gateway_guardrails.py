@@ -212,9 +212,15 @@ def test_the_prompt_is_taken_apart_once_for_the_count_and_the_guardrails(guarded
     screened: list[list[str]] = []
     real = TokenCounter.measure
 
-    def counting(self: TokenCounter, texts: list[str], token_ids: list[list[int]], messages: int = 0) -> Any:
+    def counting(
+        self: TokenCounter,
+        texts: list[str],
+        token_ids: list[list[int]],
+        messages: int = 0,
+        roles: list[str] | None = None,
+    ) -> Any:
         measured.append(texts)
-        return real(self, texts, token_ids, messages)
+        return real(self, texts, token_ids, messages, roles)
 
     class Recorder:
         name = "recorder"

@@ -1,0 +1,282 @@
+"""Spread verified weights over the nodes: one node gets them from here, the others copy node to node.
+
+The first node receives the files from this machine once; then, round by round, every node that holds a
+verified copy serves one node that does not, over SSH on the private network (a tree: 1 → 2 → 4 …
+holders). Each target copies into ``.<digest>.partial`` next to the final directory, appending to any
+partial file left by an interrupted copy, checks everything against the manifest (``sha256sum --check``),
+re-fetches whole any file that fails, and only then renames the directory into place: an engine never
+sees a partial or corrupted copy. Node-to-node SSH uses a key pair made for this one distribution,
+authorised on the nodes for its duration only.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
+
+from controlplane.errors import WeightsError
+from controlplane.weights import MANIFEST_NAME, read_manifest, verify_dir
+
+if TYPE_CHECKING:
+    from fabric import Connection
+
+__all__ = ["Peer", "PeerCopy", "distribute"]
+
+Progress = Callable[[str], None]
+_TIMEOUT = 6 * 3600
+
+
+@dataclass
+class Peer:
+    """One node to hold the weights: an open SSH connection and the address its peers reach it on."""
+
+    name: str
+    conn: Connection
+    private_address: str
+    ssh_port: int = 22
+    ssh_user: str = "root"
+
+
+@dataclass
+class PeerCopy:
+    """How one node got its copy."""
+
+    node: str
+    source: str
+    """``here`` (this machine), another node's name, or ``present`` (already verified there)."""
+    bytes_copied: int
+    refetched: list[str]
+    """Files that failed the manifest after copying (a corrupted partial) and were fetched again."""
+
+
+def _run(peer: Peer, command: str, *, check: bool = True) -> tuple[int, str]:
+    result = peer.conn.run(command, hide=True, warn=True, in_stream=False, timeout=_TIMEOUT)
+    out = f"{result.stdout}{result.stderr}".strip()
+    if check and result.return_code != 0:
+        raise WeightsError(f"node {peer.name}: `{command[:80]}` failed: {out[-300:]}")
+    return int(result.return_code), out
+
+
+def _verified(peer: Peer, dest: PurePosixPath) -> bool:
+    q = shlex.quote(str(dest))
+    return _run(peer, f"cd {q} && sha256sum --check --quiet {MANIFEST_NAME}", check=False)[0] == 0
+
+
+def _failed_files(peer: Peer, work: PurePosixPath) -> list[str]:
+    """Files of ``work`` that do not match its manifest (empty: the copy is complete and correct)."""
+    code, out = _run(
+        peer,
+        f"cd {shlex.quote(str(work))} && sha256sum --check --quiet {MANIFEST_NAME} 2>/dev/null",
+        check=False,
+    )
+    if code == 0:
+        return []
+    return [
+        line.rsplit(":", 1)[0]
+        for line in out.splitlines()
+        if line.endswith(("FAILED", "FAILED open or read"))
+    ]
+
+
+def _publish(peer: Peer, work: PurePosixPath, dest: PurePosixPath) -> None:
+    qw, qd = shlex.quote(str(work)), shlex.quote(str(dest))
+    # Weights are not secret and engines may run as another user: world-readable.
+    _run(peer, f"chmod -R a+rX {qw} && rm -rf {qd} && mv -T {qw} {qd}")
+
+
+def _partial(dest: PurePosixPath) -> PurePosixPath:
+    return dest.with_name(f".{dest.name}.partial")
+
+
+def _seed(peer: Peer, local: Path, files: dict[str, int], dest: PurePosixPath) -> int:
+    work = _partial(dest)
+    copied = 0
+    for name in sorted(files):
+        target = work / name
+        _run(peer, f"mkdir -p {shlex.quote(str(target.parent))}")
+        try:
+            peer.conn.put(str(local / name), str(target))
+        except OSError as exc:
+            raise WeightsError(f"node {peer.name}: cannot copy {name}: {exc}") from None
+        copied += files[name]
+    return copied
+
+
+def _pull_script(
+    source: Peer, files: dict[str, int], src: PurePosixPath, work: PurePosixPath, key: str
+) -> str:
+    """Shell run on the target: append what each partial file lacks, from the source node."""
+    ssh = shlex.join(
+        [
+            "ssh",
+            "-i",
+            key,
+            "-p",
+            str(source.ssh_port),
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "StrictHostKeyChecking=no",
+            "-o",
+            "UserKnownHostsFile=/dev/null",
+            "-o",
+            "LogLevel=ERROR",
+            f"{source.ssh_user}@{source.private_address}",
+        ]
+    )
+    lines = ["set -eu"]
+    for name, size in sorted(files.items()):
+        f = shlex.quote(str(work / name))
+        # Inside the double quotes $((have + 1)) expands here, the single-quoted path on the source.
+        remote = f'"tail -c +$((have + 1)) {shlex.quote(str(src / name))}"'
+        lines += [
+            f"mkdir -p {shlex.quote(str((work / name).parent))}",
+            f"have=$(stat -c %s {f} 2>/dev/null || echo 0)",
+            f'if [ "$have" -gt {size} ]; then rm -f {f}; have=0; fi',
+            f'if [ "$have" -lt {size} ]; then {ssh} {remote} >> {f}; echo "copied $(({size} - have))"; fi',
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _pull(
+    target: Peer, source: Peer, files: dict[str, int], dest: PurePosixPath, key: str
+) -> tuple[int, list[str]]:
+    work = _partial(dest)
+    copied = 0
+    refetched: list[str] = []
+    for attempt in range(2):
+        script = _pull_script(source, files, dest, work, key)
+        _, out = _run(target, f"sh -c {shlex.quote(script)}")
+        copied += sum(int(line.split()[1]) for line in out.splitlines() if line.startswith("copied "))
+        failed = _failed_files(target, work)
+        if not failed:
+            return copied, refetched
+        if attempt == 1:
+            break
+        # A file that fails after the copy was a corrupted partial: fetch it again from the start.
+        refetched += failed
+        _run(target, "rm -f " + " ".join(shlex.quote(str(work / name)) for name in failed))
+    raise WeightsError(
+        f"node {target.name}: {', '.join(failed)} still fail the manifest "
+        f"after a fresh copy from {source.name}",
+        hint=f"check the disk of {target.name} and the copy on {source.name}; nothing was published",
+    )
+
+
+def distribute(
+    local: Path,
+    dest: PurePosixPath,
+    peers: Sequence[Peer],
+    *,
+    progress: Progress | None = None,
+    parallel: int = 8,
+    tree: bool = True,
+) -> list[PeerCopy]:
+    """Give every peer a verified copy of ``local`` (a verified weights directory) at ``dest``.
+
+    ``tree=False`` is the single-source baseline: every node copies from the first holder.
+    """
+    entries = read_manifest(local)
+    verify_dir(local, entries)
+    files = {name: (local / name).stat().st_size for name in entries} | {
+        MANIFEST_NAME: (local / MANIFEST_NAME).stat().st_size
+    }
+    say = progress or (lambda _text: None)
+    results: dict[str, PeerCopy] = {}
+    holders: list[Peer] = []
+    pending: list[Peer] = []
+    for peer in peers:
+        if _verified(peer, dest):
+            say(f"weights: {peer.name}: already holds a verified copy")
+            results[peer.name] = PeerCopy(peer.name, "present", 0, [])
+            holders.append(peer)
+        else:
+            pending.append(peer)
+    if pending and not holders:
+        seed = pending.pop(0)
+        say(f"weights: {seed.name}: copying from here ({sum(files.values())} bytes)")
+        copied = _seed(seed, local, files, dest)
+        failed = _failed_files(seed, _partial(dest))
+        if failed:
+            raise WeightsError(f"node {seed.name}: {', '.join(failed)} failed the manifest after the copy")
+        _publish(seed, _partial(dest), dest)
+        results[seed.name] = PeerCopy(seed.name, "here", copied, [])
+        holders.append(seed)
+    if pending:
+        _spread(
+            holders=holders,
+            pending=pending,
+            files=files,
+            dest=dest,
+            results=results,
+            say=say,
+            parallel=parallel,
+            tree=tree,
+        )
+    return [results[p.name] for p in peers]
+
+
+def _spread(
+    *,
+    holders: list[Peer],
+    pending: list[Peer],
+    files: dict[str, int],
+    dest: PurePosixPath,
+    results: dict[str, PeerCopy],
+    say: Progress,
+    parallel: int,
+    tree: bool,
+) -> None:
+    tag = f"sarv-weights-{uuid.uuid4().hex[:12]}"
+    everyone = holders + pending
+    with tempfile.TemporaryDirectory(prefix="sarv-weights-") as tmp:
+        keyfile = Path(tmp) / "id_ed25519"
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", tag, "-f", str(keyfile)],
+            check=True,
+            timeout=60,
+        )
+        pub = keyfile.with_suffix(".pub").read_text().strip()
+        remote_key = f"/root/.ssh/{tag}"
+        try:
+            for peer in everyone:
+                _run(
+                    peer,
+                    f"mkdir -p -m 700 /root/.ssh && echo {shlex.quote(pub)} >> /root/.ssh/authorized_keys",
+                )
+            for peer in pending:
+                peer.conn.put(str(keyfile), remote_key)
+                _run(peer, f"chmod 600 {remote_key}")
+            while pending:
+                # A tree pairs each holder with one target per round; the baseline sends all from one.
+                sources = holders if tree else holders[:1] * len(pending)
+                pairs = list(zip(sources, pending, strict=False))
+                pending = pending[len(pairs) :]
+
+                def copy(pair: tuple[Peer, Peer]) -> Peer:
+                    source, target = pair
+                    say(f"weights: {target.name}: copying from {source.name}")
+                    copied, refetched = _pull(target, source, files, dest, remote_key)
+                    _publish(target, _partial(dest), dest)
+                    results[target.name] = PeerCopy(target.name, source.name, copied, refetched)
+                    say(f"weights: {target.name}: verified ({copied} bytes copied)")
+                    return target
+
+                with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(pairs)))) as pool:
+                    done = list(pool.map(copy, pairs))
+                if tree:
+                    holders += done
+        finally:
+            for peer in everyone:
+                _run(
+                    peer,
+                    f"rm -f {remote_key}; sed -i '/ {tag}$/d' /root/.ssh/authorized_keys",
+                    check=False,
+                )
