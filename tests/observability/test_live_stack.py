@@ -5,7 +5,8 @@ file_sd targets: two ``sim`` replicas and one real ``vllm-cpu`` replica, all dep
 deploy``), node exporter and a DCGM exporter stand-in serving tests/fixtures/dcgm-exposition.txt; and a
 real Alertmanager that Prometheus notifies. Traffic goes through the gateway (served, streamed, rate
 limited, refused by validation, unauthenticated), one sim replica is killed mid-traffic and brought back by
-running the same ``llmctl deploy`` again (what heals a dead replica today).
+running the same ``llmctl deploy`` again (what heals a dead replica today), and the sim deployment is
+scaled from two replicas to three with ``llmctl scale``.
 
 Then every panel query and annotation of every dashboard (Grafana variables set to All, ``$__rate_interval``
 and ``$__range`` filled in), every variable's ``label_values`` and every recording rule is evaluated
@@ -305,6 +306,8 @@ def stack(vllm_tiny: VllmDeployment, tmp_path_factory: pytest.TempPathFactory) -
         stack.alert_resolved = bool(
             _poll("SarvReplicaDown resolved", lambda: not stack.alerts() or None, timeout=60)
         )
+        # Scale in place while traffic flows: the desired count changes (the capacity board's annotation).
+        dep.llmctl("scale", SIM, "3", timeout=180, check=True)
         _traffic(stack, rounds=8)
         # Let the recording rules see the last traffic (two evaluations after a scrape).
         time.sleep(3 * SCRAPE_S)
