@@ -133,6 +133,19 @@ def load_controller_config(path: Path | None, **overrides: object) -> Controller
         raise ConfigError(describe_validation_error(exc, what="controller config")) from None
 
 
+_EVENT_REASONS = (
+    ("Scaled", "Normal"),
+    ("Restarted", "Normal"),
+    ("Rescheduled", "Normal"),
+    ("NodeBack", "Normal"),
+    ("CrashLoop", "Warning"),
+    ("RestartFailed", "Warning"),
+    ("NodeLost", "Warning"),
+    ("NoRoom", "Warning"),
+)
+"""(reason, type) of the events the controller records itself."""
+
+
 class ControllerMetrics:
     """The controller's own Prometheus series, in a registry of its own (no global default registry)."""
 
@@ -212,6 +225,10 @@ class ControllerMetrics:
             ["reason", "type"],
             registry=r,
         )
+        # Every reason the controller records, at 0 from the start: increase() then sees the first event
+        # (a series born at 1 has no increase for Prometheus).
+        for reason, kind in _EVENT_REASONS:
+            self.events.labels(reason, kind)
         self.node_gpus = Gauge(
             "sarv_node_gpus",
             "GPUs of a node by state: allocated (held by a replica) or free.",

@@ -28,8 +28,12 @@ __all__ = [
     "write_replica_targets",
 ]
 
-SCRAPED_STATES = frozenset({ReplicaState.STARTING, ReplicaState.READY, ReplicaState.UNHEALTHY})
-"""States whose replicas have a listening engine worth scraping; unhealthy ones stay to show why."""
+SCRAPED_STATES = frozenset(
+    {ReplicaState.STARTING, ReplicaState.READY, ReplicaState.UNHEALTHY, ReplicaState.FAILED}
+)
+"""States whose replicas have (or had) an engine at their endpoint: unhealthy ones stay to show why, and a
+failed (crashed, awaiting its restart) one stays a target so its ``up == 0`` raises SarvReplicaDown rather
+than dropping out of monitoring."""
 
 _LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _PROMETHEUS_METRICS_PATH = "/metrics"

@@ -40,6 +40,9 @@ from fixtures.gateway import GatewayStarter, add_key
 from fixtures.pending_series import PENDING, PENDING_LABELS, VLLM_FORMER_NAMES
 from fixtures.vllm import VllmDeployment, kill_groups
 
+from controlplane.gateway.config import GatewayConfig, ModelOverrides
+from controlplane.state.base import TeamRecord
+
 DASHBOARDS = REPO / "dashboards"
 RULES = DASHBOARDS / "rules" / "sarv.rules.yml"
 DCGM_EXPOSITION = REPO / "tests" / "fixtures" / "dcgm-exposition.txt"
@@ -198,9 +201,12 @@ def stack(vllm_tiny: VllmDeployment, tmp_path_factory: pytest.TempPathFactory) -
         from controlplane.state import open_store
 
         store = open_store(dep.env["SARV_STATE_URL"], Settings(home=dep.home))
-        key = add_key(store, "obs-client")
-        limited = add_key(store, "obs-limited", rpm=1)
-        gateway = gateways(store)
+        # Keys of a team (an empty label is no label to Prometheus) and a price: the tenants board.
+        store.put_team(TeamRecord(name="obs-team"))
+        key = add_key(store, "obs-client", team="obs-team")
+        limited = add_key(store, "obs-limited", rpm=1, team="obs-team")
+        priced = ModelOverrides(prompt_price_per_1k=0.5, completion_price_per_1k=1.5)
+        gateway = gateways(store, GatewayConfig(models=dict.fromkeys((SIM, dep.model), priced)))
 
         targets = tmp / "targets" / "replicas.json"
         targets.parent.mkdir()

@@ -37,11 +37,17 @@ def test_groups_only_for_listening_replicas_sorted_and_labelled() -> None:
         _replica(2, "http://10.0.0.5:8102"),
         _replica(0, "https://gpu-a1.example:8100/v1"),
         _replica(1, None, ReplicaState.PENDING),
-        _replica(3, "http://10.0.0.5:8103", ReplicaState.FAILED),
+        _replica(3, "http://10.0.0.5:8103", ReplicaState.FAILED),  # crashed: kept, so its up == 0 alerts
         _replica(4, "http://[fd00::5]:8104", ReplicaState.STARTING),
+        _replica(5, "http://10.0.0.5:8105", ReplicaState.DRAINING),
     ]
     groups = replica_target_groups(replicas)
-    assert [g.targets for g in groups] == [["gpu-a1.example:8100"], ["10.0.0.5:8102"], ["[fd00::5]:8104"]]
+    assert [g.targets for g in groups] == [
+        ["gpu-a1.example:8100"],
+        ["10.0.0.5:8102"],
+        ["10.0.0.5:8103"],
+        ["[fd00::5]:8104"],
+    ]
     assert groups[0].labels == {
         "deployment": "llama",
         "replica": "llama-0",
