@@ -134,16 +134,16 @@ def load_controller_config(path: Path | None, **overrides: object) -> Controller
 
 
 _EVENT_REASONS = (
-    ("Scaled", "Normal"),
-    ("Restarted", "Normal"),
-    ("Rescheduled", "Normal"),
-    ("NodeBack", "Normal"),
-    ("CrashLoop", "Warning"),
-    ("RestartFailed", "Warning"),
-    ("NodeLost", "Warning"),
-    ("NoRoom", "Warning"),
+    "Scaled",
+    "Restarted",
+    "Rescheduled",
+    "NodeBack",
+    "CrashLoop",
+    "RestartFailed",
+    "NodeLost",
+    "NoRoom",
 )
-"""(reason, type) of the events the controller records itself."""
+"""Reasons of the events the controller records itself (either type, as the situation says)."""
 
 
 class ControllerMetrics:
@@ -227,8 +227,9 @@ class ControllerMetrics:
         )
         # Every reason the controller records, at 0 from the start: increase() then sees the first event
         # (a series born at 1 has no increase for Prometheus).
-        for reason, kind in _EVENT_REASONS:
-            self.events.labels(reason, kind)
+        for reason in _EVENT_REASONS:
+            for kind in ("Normal", "Warning"):
+                self.events.labels(reason, kind)
         self.node_gpus = Gauge(
             "sarv_node_gpus",
             "GPUs of a node by state: allocated (held by a replica) or free.",
