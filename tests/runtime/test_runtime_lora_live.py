@@ -7,7 +7,6 @@ records the add/remove updates.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
@@ -17,14 +16,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fixtures.controller import llmctl_env
 from fixtures.gateway import GatewayStarter, add_key, gateway_factory, gateway_model_ids
-from fixtures.vllm import LlmctlEnv, kill_groups
+from fixtures.vllm import LlmctlEnv
 
 from controlplane.state import open_store
 from controlplane.state.base import StateStore
 from controlplane.weights import write_manifest
 
-__all__ = ["gateway_factory"]  # the fixture, used by name
+__all__ = ["gateway_factory", "llmctl_env"]  # the fixtures, used by name
 
 
 def _adapter(path: Path, rank: int = 8) -> Path:
@@ -36,16 +36,8 @@ def _adapter(path: Path, rank: int = 8) -> Path:
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> Iterator[LlmctlEnv]:
-    e = LlmctlEnv.create(tmp_path / "home")
-    yield e
-    pids: list[int] = []
-    with contextlib.suppress(AssertionError, ValueError):
-        pids = e.replica_pids()
-    with contextlib.suppress(AssertionError, ValueError):
-        for d in e.status()["deployments"]:
-            e.llmctl("undeploy", d["name"], "--yes", timeout=60)
-    kill_groups(pids)
+def env(llmctl_env: LlmctlEnv) -> LlmctlEnv:
+    return llmctl_env
 
 
 @pytest.fixture
