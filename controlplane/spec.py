@@ -509,10 +509,10 @@ class ReplicaRecord(_Model):
     """Base URL, e.g. ``http://127.0.0.1:8101``; None until the engine listens."""
     state: ReplicaState = ReplicaState.PENDING
     adapters: list[str] = Field(default_factory=list)
+    """LoRA adapter names served by this replica (routable as models)."""
     weights: str | None = None
     """The verified weights it runs, as ``<model>/<manifest digest>`` in a model cache: where a gateway
     on a host holding the same cache finds the tokenizer (exact prompt lengths)."""
-    """LoRA adapter names served by this replica (routable as models)."""
     capacity: float = Field(default=1.0, gt=0)
     """Relative throughput, used to normalise load across heterogeneous replicas."""
     probes: ProbePaths = Field(default_factory=ProbePaths)

@@ -639,6 +639,11 @@ class Reconciler:
             previous = self._policy.get(dep.name, PolicyState())
             decision, self._policy[dep.name] = decide(ctx, previous)
             decisions[dep.name] = decision
+            if low < high:
+                # A deployment that can scale has both directions at 0 from the start: increase() then
+                # sees its first decision (a series born at 1 has no increase for Prometheus).
+                for direction in (Direction.UP, Direction.DOWN):
+                    self.metrics.decisions.labels(dep.name, direction.value)
             self.metrics.recommended.labels(dep.name).set(decision.recommended)
             self.metrics.current.labels(dep.name).set(decision.current)
             if decision.load is not None:
@@ -666,6 +671,9 @@ class Reconciler:
                 # KeyError: never set (e.g. the load of a deployment that was never measured).
                 with suppress(KeyError):
                     gauge.remove(name)
+            for direction in (Direction.UP, Direction.DOWN):
+                with suppress(KeyError):
+                    self.metrics.decisions.remove(name, direction.value)
         return decisions
 
     # --- act: scale

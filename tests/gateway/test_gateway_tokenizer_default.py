@@ -3,7 +3,10 @@ template) from the verified weights its replicas run, and falls back to the byte
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -40,20 +43,36 @@ def _counter(weights: Path) -> TokenCounter:
                         max_blocks=8, tokenizer_config=config)  # fmt: skip
 
 
-@pytest.mark.parametrize("chat", CHATS, ids=["one", "system", "turns"])
-@pytest.mark.xfail(
-    reason="open: importing transformers after ansible in one process fails in torch dynamo (ansible's sys.intern patch); compare in a subprocess",  # noqa: E501
-    strict=False,
-)
-def test_a_chat_counts_as_transformers_renders_it_for_vllm(tiny: Path, chat: list[dict[str, str]]) -> None:
-    from transformers import AutoTokenizer  # what vLLM's chat rendering uses
+# transformers is run in its own interpreter: in a pytest process that has already imported ansible
+# (other tests do), importing it fails inside torch's dynamo on ansible's patched sys.intern.
+_RENDER = """
+import json, sys
+from transformers import AutoTokenizer  # what vLLM's chat rendering uses
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+chats = json.loads(sys.stdin.read())
+print(json.dumps([len(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                              return_dict=False)) for c in chats]))
+"""
 
-    want = AutoTokenizer.from_pretrained(str(tiny)).apply_chat_template(
-        chat, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
+
+@pytest.fixture(scope="module")
+def transformers_lengths(tiny: Path) -> list[int]:
+    proc = subprocess.run([sys.executable, "-c", _RENDER, str(tiny)], input=json.dumps(CHATS),
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lengths: list[int] = json.loads(proc.stdout)
+    return lengths
+
+
+@pytest.mark.parametrize("index", range(len(CHATS)), ids=["one", "system", "turns"])
+def test_a_chat_counts_as_transformers_renders_it_for_vllm(
+    tiny: Path, transformers_lengths: list[int], index: int
+) -> None:
+    chat = CHATS[index]
     texts, roles = [m["content"] for m in chat], [m["role"] for m in chat]
     info = _counter(tiny).measure(texts, [], len(chat), roles)
-    assert info.exact and info.tokens == len(want)
+    assert info.exact
+    assert info.tokens == transformers_lengths[index]
 
 
 def test_a_tokenizer_that_differs_from_the_manifest_is_refused(tiny: Path, tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from fixtures.testhosts import TestHost
+from fixtures.vllm import LlmctlEnv
 
 from controlplane.spec import Fleet, Node
 
@@ -27,10 +28,6 @@ def _llmctl(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess
     )
 
 
-@pytest.mark.xfail(
-    reason="open: failed in the fresh-clone CI of 08:40 after the engine-key/weights merges; not yet diagnosed",  # noqa: E501
-    strict=False,
-)
 def test_sim_deploy_from_the_cli_lands_on_the_remote_fleet(
     tmp_path: Path, remote_hosts: list[TestHost], remote_nodes: list[Node]
 ) -> None:
@@ -46,6 +43,7 @@ def test_sim_deploy_from_the_cli_lands_on_the_remote_fleet(
     }
     for var in ("SARV_STATE_URL", "SARV_CONFIG"):
         env.pop(var, None)
+    env["SARV_STATE_URL"] = f"sqlite:///{tmp_path / 'home' / 'state.db'}"
     deployed = _llmctl(env, "deploy", "sarv-tiny", "--name", "cli-web", "--engine", "sim", "--replicas", "2")
     try:
         assert deployed.returncode == 0, deployed.stderr
@@ -61,11 +59,17 @@ def test_sim_deploy_from_the_cli_lands_on_the_remote_fleet(
                 "systemctl list-units --no-legend --plain --state=active 'sarv-cli-web-*'", check=False
             ).stdout
             assert len(units.strip().splitlines()) == 1, units
+        engine_key = LlmctlEnv(home=tmp_path / "home", env=env).engine_key("cli-web")
+        assert engine_key
         for r in replicas:
-            # The engine listens on the node's private address, reachable from the gateway's network.
+            # The engine listens on the node's private address, reachable from the gateway's network, and
+            # answers only a caller presenting the deployment's engine key (the gateway, the probes).
             host = next(h for h in remote_hosts if h.name == r["node"])
-            port = r["endpoint"].rsplit(":", 1)[1]
-            models = host.exec(f"curl -sf http://{host.ip}:{port}/v1/models", check=False).stdout
+            url = f"http://{host.ip}:{r['endpoint'].rsplit(':', 1)[1]}/v1/models"
+            bare = host.exec(f"curl -s -o /dev/null -w '%{{http_code}}' {url}", check=False).stdout
+            assert bare.strip() == "401", bare
+            auth = f"Authorization: Bearer {engine_key}"  # a throwaway test host: argv is fine here
+            models = host.exec(f"curl -sf -H '{auth}' {url}", check=False).stdout
             assert "cli-web" in models, models
     finally:
         undeployed = _llmctl(env, "undeploy", "cli-web")
