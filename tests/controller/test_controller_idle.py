@@ -3,10 +3,20 @@ moved count, a restarted engine or an unknown restarts the run."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+from fixtures.controller import llmctl_env
+from fixtures.vllm import LlmctlEnv
+
 from controlplane.controller.idle import Activity, IdleWatch, activity_of, idle_seen
 from controlplane.controller.reconcile import ProbeResult
 from controlplane.engines.metrics import HistogramSample
+from controlplane.errors import ConfigError
+from controlplane.gateway.config import load_gateway_config
 from controlplane.spec import DeploymentRecord, DeploymentSpec, EngineKind, Plan, ReplicaRecord, ReplicaState
+
+__all__ = ["llmctl_env"]  # the fixture, imported for this module
 
 QUIET = Activity(served=5.0, ongoing=0.0)
 
@@ -88,3 +98,32 @@ def test_activity_is_unknown_while_a_replica_loads_or_its_metrics_are_missing() 
     unread = {"web-0": ProbeResult("web-0", ok=True)}
     assert activity_of(_dep(), [_replica(0)], unread, ()) == Activity(None, None)
     assert activity_of(_dep(), [], {}, ()) == Activity(None, None)
+
+
+# --- bad configuration: one line, no traceback, nothing done
+
+
+def test_idle_timeout_without_scale_to_zero_is_one_line(llmctl_env: LlmctlEnv) -> None:
+    proc = llmctl_env.llmctl(
+        "deploy", "sarv-tiny", "--engine", "sim", "--no-scale-to-zero", "--idle-timeout", "30"
+    )
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) <= 2 and "idle_timeout_s needs scale_to_zero" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert llmctl_env.status()["deployments"] == []
+
+
+def test_bad_hold_config_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.yaml"
+    path.write_text("hold:\n  max_held_per_model: -1\n")
+    with pytest.raises(ConfigError) as caught:
+        load_gateway_config(path)
+    assert "hold.max_held_per_model" in caught.value.message
+    assert "\n" not in caught.value.message
+
+
+def test_records_written_before_scale_to_zero_still_load() -> None:
+    old = '{"spec": {"name": "web", "model": "sarv-tiny", "engine": "sim"}, "plan": {"model": "sarv-tiny"}}'
+    rec = DeploymentRecord.model_validate_json(old)
+    assert rec.zero is None and rec.spec.scale_to_zero is None and rec.spec.idle_timeout_s is None
