@@ -43,6 +43,7 @@ __all__ = [
     "Shard",
     "SpeculativeConfig",
     "Strategy",
+    "ZeroMode",
 ]
 
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
@@ -379,6 +380,13 @@ class DeploymentSpec(_Model):
     """Tool calling: vLLM's auto tool choice with the catalog's tool-call parser for the model."""
     node_selector: dict[str, str] = Field(default_factory=dict)
     """Only nodes whose labels contain all these pairs."""
+    scale_to_zero: bool | None = None
+    """After ``idle_timeout_s`` without a request the controller takes the deployment to zero (its
+    replicas asleep where the engine has vLLM's sleep mode, else stopped) and the gateway holds the next
+    requests while it wakes; None: the controller's policy decides (its default: off)."""
+    idle_timeout_s: float | None = Field(default=None, ge=1, le=7 * 86_400)
+    """Seconds without a request before a ``scale_to_zero`` deployment goes to zero; None: the
+    controller's policy's (default 300)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -409,6 +417,8 @@ class DeploymentSpec(_Model):
         low, high = self.min_replicas, self.max_replicas
         if low is not None and high is not None and low > high:
             raise ValueError(f"min_replicas ({low}) exceeds max_replicas ({high})")
+        if self.idle_timeout_s is not None and self.scale_to_zero is False:
+            raise ValueError("idle_timeout_s needs scale_to_zero: true (or leave idle_timeout_s out)")
         return self
 
     @field_validator("sources")
@@ -475,6 +485,9 @@ class ReplicaState(StrEnum):
     DRAINING = "draining"
     """Being removed: the gateway routes no new request to it while its in-flight ones finish."""
     STOPPING = "stopping"
+    SLEEPING = "sleeping"
+    """Scaled to zero in vLLM's sleep mode: weights offloaded, GPU memory freed, the process kept; the
+    gateway routes nothing to it until the controller wakes it (``POST /wake_up``)."""
 
 
 class ProbePaths(_Model):
@@ -524,11 +537,25 @@ class ReplicaRecord(_Model):
     updated_at: float = 0.0
 
 
+class ZeroMode(StrEnum):
+    """How a deployment scaled to zero left its replicas."""
+
+    SLEEP = "sleep"
+    """Asleep (vLLM's sleep mode, level 1): woken with ``POST /wake_up`` in seconds."""
+    STOP = "stop"
+    """Stopped: one is started again (a cold start)."""
+
+
 class DeploymentRecord(_Model):
     """Desired state of one deployment."""
 
     spec: DeploymentSpec
     plan: Plan
+    zero: ZeroMode | None = None
+    """Set while the controller holds the deployment at zero (``scale_to_zero``), until a replica is
+    ready again; the gateway holds its requests meanwhile. None: serving as usual."""
+    zero_since: float = 0.0
+    """Wall-clock time it went to zero."""
     created_at: float = 0.0
     updated_at: float = 0.0
 

@@ -270,6 +270,18 @@ def register(app: typer.Typer) -> None:
             int | None,
             typer.Option(min=1, max=1024, help="Most replicas the controller may scale up to."),
         ] = None,
+        scale_to_zero: Annotated[
+            bool | None,
+            typer.Option(
+                "--scale-to-zero/--no-scale-to-zero",
+                help="After --idle-timeout without a request the controller takes it to zero (asleep with "
+                "--engine-arg enable_sleep_mode=true, else stopped); the gateway holds requests meanwhile.",
+            ),
+        ] = None,
+        idle_timeout: Annotated[
+            float | None,
+            typer.Option(min=1, max=7 * 86_400, help="Seconds without a request before scale to zero."),
+        ] = None,
         engine: Annotated[
             EngineChoice,
             typer.Option(help="vllm (GPU container), vllm-cpu, sim; auto: vllm with GPUs, else vllm-cpu."),
@@ -347,6 +359,8 @@ def register(app: typer.Typer) -> None:
                 replicas=replicas,
                 min_replicas=min_replicas,
                 max_replicas=max_replicas,
+                scale_to_zero=scale_to_zero,
+                idle_timeout_s=idle_timeout,
                 tp=tp,
                 pp=pp,
                 quantization=quantization,

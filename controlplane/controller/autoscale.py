@@ -66,8 +66,11 @@ class AutoscaleConfig(BaseModel):
     max_step_down: int = Field(default=2, ge=1, le=64)
     """Most replicas one decision removes."""
     scale_to_zero: bool = False
-    """Allow ``min_replicas: 0``. Off by default: it only helps where the gateway holds requests while
-    a replica starts, which Sarv's gateway does not do yet."""
+    """Take a deployment whose spec does not say (``scale_to_zero`` unset) to zero after
+    ``idle_timeout_s`` without a request (controller/idle.py); also allows ``min_replicas: 0``, which the
+    controller reads as 1: below one replica is the idle path's, never a load decision's."""
+    idle_timeout_s: float = Field(default=300.0, ge=1, le=7 * 86_400)
+    """Seconds without a request before a scale-to-zero deployment goes to zero (its spec's wins)."""
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscaleConfig:

@@ -409,7 +409,8 @@ class Deployer:
         loading: list[_Launched] = []
         if previous is not None:
             current = [r for r in self.refresh(spec.name) if r.state not in LEAVING_STATES]
-            ready = {r.index for r in current if r.state is ReplicaState.READY}
+            # A sleeping replica (scale to zero) runs: the controller wakes it, deploy leaves it be.
+            ready = {r.index for r in current if r.state in {ReplicaState.READY, ReplicaState.SLEEPING}}
             # Replicas still loading (an earlier --no-wait) are awaited, never restarted.
             for r in current:
                 launcher = self._launcher_for_record(r)

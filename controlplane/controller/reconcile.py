@@ -31,6 +31,7 @@ from controlplane.controller.healing import (
     restart_due,
 )
 from controlplane.controller.health import PROBED_STATES, HealthRule, Streak, judge, probe_path
+from controlplane.controller.idle import ZeroScaler
 from controlplane.engines.metrics import QUEUE_TIME, HistogramSample, parse_histogram, parse_vllm_metrics
 from controlplane.errors import ConfigError, PlacementError, SarvError, describe_validation_error
 from controlplane.launchers.base import ProcessState, ReplicaProcess
@@ -102,6 +103,9 @@ class ControllerConfig(BaseModel):
     """How long a scale-down lets a removed replica's in-flight requests finish before stopping it."""
     healing: HealingConfig = Field(default_factory=HealingConfig)
     """Restart back-off, crash loops and the node grace period."""
+    wake_timeout_s: float = Field(default=120.0, gt=0, le=3600)
+    """Limit of one ``POST /sleep`` or ``/wake_up`` (scale to zero), and how long passes run every
+    0.2 s while a deployment wakes from zero."""
 
     def policy_for(self, deployment: str) -> AutoscaleConfig:
         return self.deployments.get(deployment, self.autoscale)
@@ -142,6 +146,9 @@ _EVENT_REASONS = (
     "RestartFailed",
     "NodeLost",
     "NoRoom",
+    "ScaledToZero",
+    "Woken",
+    "WakeFailed",
 )
 """Reasons of the events the controller records itself (either type, as the situation says)."""
 
@@ -291,6 +298,8 @@ class PassReport:
     restarted: list[str] = field(default_factory=list)
     """Replicas this pass started again (crash, lost node)."""
     failed_phases: list[str] = field(default_factory=list)
+    zeroed: list[str] = field(default_factory=list)
+    """Deployments this pass took to zero (scale to zero)."""
     seconds: float = 0.0
 
 
@@ -328,6 +337,14 @@ class Reconciler:
     """Deployment → (retry at, last back-off) after a scale-up the planner could not place."""
     _exported: set[str] = field(default_factory=set)
     """Deployments whose ``sarv_deployment_replicas`` series this controller has set."""
+    _zero: ZeroScaler | None = None
+
+    @property
+    def zero(self) -> ZeroScaler:
+        """Scale to zero: idleness, sleep or stop, wake (controller/idle.py)."""
+        if self._zero is None:
+            self._zero = ZeroScaler(self)
+        return self._zero
 
     # --- plumbing
 
@@ -352,6 +369,7 @@ class Reconciler:
         self._seen_restarts.clear()
         self._nodes.clear()
         self._unplaced.clear()
+        self.zero.forget()
 
     # --- one pass
 
@@ -384,6 +402,12 @@ class Reconciler:
             deployments = self.store.list_deployments()
         if replicas is None:
             return
+        acting = self.config.act and self.deployer is not None
+        if acting:
+            with self._phase("wake", report):
+                if await self.zero.wake(deployments, replicas):
+                    replicas = self.store.list_replicas()
+                    deployments = self.store.list_deployments()
 
         probes: dict[str, ProbeResult] = {}
         with self._phase("probe", report):
@@ -408,19 +432,23 @@ class Reconciler:
                 ready = [r for r in replicas if r.state is ReplicaState.READY]
                 report.targets_written = write_replica_targets(self.config.targets_file, ready)
 
-        acting = self.config.act and self.deployer is not None
         if acting:
             with self._phase("heal", report):
                 replicas = await self._heal(deployments, replicas, probes, report)
 
         if not self._still_leader():
             return
+        gateway: dict[str, tuple[tuple[str, HistogramSample], ...]] = {}
+        serving = self.zero.active(deployments)
         with self._phase("autoscale", report):
             gateway = await self._gateway_queues([d.name for d in deployments])
-            report.decisions = self._autoscale(deployments, replicas, probes, gateway)
+            report.decisions = self._autoscale(serving, replicas, probes, gateway)
         if acting and self._still_leader():
             with self._phase("scale", report):
-                await self._apply(deployments, replicas, report)
+                await self._apply(serving, replicas, report)
+        if self._still_leader():
+            with self._phase("idle", report):
+                report.zeroed = await self.zero.settle(deployments, replicas, probes, gateway, acting=acting)
 
     def _take_lease(self) -> bool:
         if self.lease is None:
@@ -630,6 +658,7 @@ class Reconciler:
         for dep in deployments:
             policy = self.config.policy_for(dep.name)
             low, high = policy.bounds(dep.spec.replicas, dep.spec.min_replicas, dep.spec.max_replicas)
+            low = max(1, low)  # below one replica is scale to zero's (idle.py), never a load decision
             loads = tuple(
                 _replica_load(r, probes.get(r.id))
                 for r in replicas
@@ -1051,8 +1080,8 @@ class Reconciler:
             started = self.monotonic()
             await self.run_once()
             wait = max(0.0, self.config.period_s - (self.monotonic() - started))
-            with suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=wait)
+            # Returns early for a wake request (or while a deployment wakes): held requests wait on it.
+            await self.zero.pause(stop, wait)
 
     def release(self) -> None:
         """Give the lease up (clean shutdown), so a standby takes over now instead of at expiry."""

@@ -19,6 +19,7 @@ __all__ = [
     "check_engine_args",
     "lora_enabled",
     "lora_env",
+    "sleep_env",
     "vllm_server_args",
 ]
 
@@ -219,6 +220,13 @@ def lora_enabled(spec: DeploymentSpec) -> bool:
 def lora_env(spec: DeploymentSpec) -> dict[str, str]:
     """vLLM's switch for ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``; only with LoRA on."""
     return {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora_enabled(spec) else {}
+
+
+def sleep_env(spec: DeploymentSpec) -> dict[str, str]:
+    """vLLM serves ``/sleep`` and ``/wake_up`` (scale to zero's fast path) only in its development mode:
+    set with ``enable_sleep_mode``. Those routes are unauthenticated on the replica's port; see
+    docs/controller.md (Scale to zero)."""
+    return {"VLLM_SERVER_DEV_MODE": "1"} if spec.engine_args.get("enable_sleep_mode") is True else {}
 
 
 def check_engine_args(spec: DeploymentSpec) -> None:

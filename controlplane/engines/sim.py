@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controlplane.engines.base import SARV_ENGINE_ARGS, EngineLaunch, ReplicaContext, lora_env
+from controlplane.engines.base import SARV_ENGINE_ARGS, EngineLaunch, ReplicaContext, lora_env, sleep_env
 from controlplane.spec import EngineKind
 
 __all__ = ["SimEngine"]
@@ -80,7 +80,7 @@ class SimEngine:
         # Adapters are served by name; the simulator has no speculative decoding to configure.
         if ctx.spec.lora_adapters:
             argv += ["--lora-modules", *(a.as_module() for a in ctx.spec.lora_adapters)]
-        env = {"SARV_SIM": "1", **lora_env(ctx.spec)}
+        env = {"SARV_SIM": "1", **lora_env(ctx.spec), **sleep_env(ctx.spec)}
         if ctx.gpu_ids:
             # Placed on GPUs as a stand-in for vllm: the GPUs it was given, as vLLM would see them.
             env["CUDA_VISIBLE_DEVICES"] = ",".join(ctx.gpu_ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from controlplane.engines.base import EngineLaunch, ReplicaContext, lora_env, vllm_server_args
+from controlplane.engines.base import EngineLaunch, ReplicaContext, lora_env, sleep_env, vllm_server_args
 from controlplane.errors import LaunchError
 from controlplane.spec import EngineKind
 
@@ -59,6 +59,7 @@ class VllmEngine:
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
             **lora_env(ctx.spec),
+            **sleep_env(ctx.spec),
         }
         argv = [self.docker, "run", "--detach", "--name", name, *self._labels(ctx)]
         if multi:

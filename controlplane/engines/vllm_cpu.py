@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from controlplane.engines.base import EngineLaunch, ReplicaContext, lora_env, vllm_server_args
+from controlplane.engines.base import EngineLaunch, ReplicaContext, lora_env, sleep_env, vllm_server_args
 from controlplane.errors import LaunchError
 from controlplane.spec import EngineKind
 
@@ -55,6 +55,7 @@ class VllmCpuEngine:
             # GiB of KV cache; vLLM's CPU default (4) is too much for a small shared host.
             "VLLM_CPU_KVCACHE_SPACE": str(extra.get("kv_cache_space_gib", 1)),
             **lora_env(ctx.spec),
+            **sleep_env(ctx.spec),
         }
         rp = ctx.replica
         workers = rp.tp * rp.pp if rp is not None else ctx.spec.tp * (ctx.spec.pp or 1)

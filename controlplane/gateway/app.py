@@ -25,6 +25,7 @@ from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.discovery import Discovery
 from controlplane.gateway.errors import ApiError
 from controlplane.gateway.guardrails import Guardrails
+from controlplane.gateway.hold import Hold
 from controlplane.gateway.metrics import GatewayMetrics
 from controlplane.gateway.ratelimit import InProcessLimiter, Level, RateLimiter
 from controlplane.gateway.requests import ENDPOINTS, RequestChecks, prompt_parts
@@ -67,6 +68,14 @@ class GatewayApp:
         self.limiter: RateLimiter = limiter or InProcessLimiter()
         self.metrics = metrics or GatewayMetrics()
         self.router = Router(self.config.routing, monotonic=monotonic)
+        self.hold = Hold(
+            self.config.hold,
+            store=store,
+            router=self.router,
+            metrics=self.metrics,
+            clock=clock,
+            monotonic=monotonic,
+        )
         self.keys = KeyCache(
             store, ttl=self.config.key_cache_ttl_s, size=self.config.key_cache_size, monotonic=monotonic
         )
@@ -123,7 +132,7 @@ class GatewayApp:
             )
         self.upstream.session = self._session
         self._discovery = Discovery(
-            self.store, self.router, self._session, self.metrics, monotonic=self._mono
+            self.store, self.router, self._session, self.metrics, monotonic=self._mono, hold=self.hold
         )
         await self._discovery.refresh()
         self._discovery.start(r.discovery_interval_s, r.scrape_interval_s)
@@ -142,6 +151,7 @@ class GatewayApp:
             await self.admin.stop()
         if self._discovery is not None:
             await self._discovery.stop()
+        await self.hold.close()
         if self._own_session and self._session is not None:
             await self._session.close()
             self._session = None
@@ -201,7 +211,9 @@ class GatewayApp:
         if path == "/health":
             await respond(send, 200, b'{"status":"ok"}')
         elif path == "/ready":
-            ok = self._discovery is not None and self._discovery.store_ok and bool(self.router.replicas)
+            # A model scaled to zero is served (its requests are held while it wakes): still ready.
+            serving = bool(self.router.replicas) or bool(self.hold.models)
+            ok = self._discovery is not None and self._discovery.store_ok and serving
             await respond(send, 200 if ok else 503, b'{"ready":true}' if ok else b'{"ready":false}')
         elif path == "/metrics":
             # Not on the public port: the series name every key. See admin.py.
@@ -263,6 +275,15 @@ class GatewayApp:
 
     # --- the proxied endpoints
 
+    async def _held_if_zero(self, levels: tuple[Level, ...], req: BaseModel, receive: Receive) -> BaseModel:
+        """``req``, once its model serves: a request for a model scaled to zero waits here (bounded)
+        until a replica is ready."""
+        model = str(getattr(req, "model", ""))
+        if self.hold.holds(model):
+            self.requests.check_allowed(levels, model)  # a 403 is not held
+            await self.hold.wait(model, receive)
+        return req
+
     async def _proxy(
         self, scope: Scope, receive: Receive, send: Send, path: str, schema: type[BaseModel]
     ) -> None:
@@ -285,7 +306,7 @@ class GatewayApp:
                 job.headers = {**job.headers, "content-type": ctype.decode("latin-1")}
             else:
                 req = checks.parse(schema, body)
-            job.model = checks.resolve_model(levels, req, path)
+            job.model = checks.resolve_model(levels, await self._held_if_zero(levels, req, receive), path)
             checks.check_caps(req)
             parts = prompt_parts(req)  # once: the count, the prefix hashes and the guardrails share it
             job.info = await checks.measure(job.model, parts, req)

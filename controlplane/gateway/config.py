@@ -16,6 +16,7 @@ __all__ = [
     "AccessLogConfig",
     "GatewayConfig",
     "GuardrailConfig",
+    "HoldConfig",
     "LimitsConfig",
     "ModelOverrides",
     "OrganisationLimits",
@@ -101,6 +102,22 @@ class RoutingConfig(_Model):
     """First ejection period; it doubles for a replica that fails again right after (up to 8×)."""
 
 
+class HoldConfig(_Model):
+    """Requests for a model scaled to zero (its deployment's ``scale_to_zero``): held while the
+    controller wakes a replica, then served; see gateway/hold.py."""
+
+    max_held_per_model: int = Field(default=256, ge=0, le=100_000)
+    """Requests held per model at once; beyond it the answer is 503 with Retry-After (0: none held)."""
+    hold_timeout_s: float = Field(default=120.0, gt=0, le=3600)
+    """Longest a request is held; then 503 with Retry-After. A cold start must fit in it; a wake from
+    sleep mode takes seconds."""
+    retry_after_s: int = Field(default=5, ge=1, le=3600)
+    """The Retry-After of those 503s."""
+    wake_every_s: float = Field(default=1.0, gt=0, le=60)
+    """While requests are held, the wake request is written again this often (a controller that took
+    over, or restarted, still sees it)."""
+
+
 class GuardrailConfig(_Model):
     """Built-in guardrails, all off by default."""
 
@@ -159,6 +176,7 @@ class GatewayConfig(_Model):
     models: dict[str, ModelOverrides] = Field(default_factory=dict)
     organisation: OrganisationLimits = Field(default_factory=OrganisationLimits)
     access_log: AccessLogConfig = Field(default_factory=AccessLogConfig)
+    hold: HoldConfig = Field(default_factory=HoldConfig)
     usage_flush_interval_s: float = Field(default=5.0, gt=0, le=300)
     """Usage counts are added to the state store in batches at this interval and at shutdown; a gateway
     that is killed (not stopped) loses at most this much of its usage record."""

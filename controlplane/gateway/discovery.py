@@ -11,6 +11,7 @@ import aiohttp
 
 from controlplane.engines.metrics import parse_vllm_metrics
 from controlplane.errors import StateError
+from controlplane.gateway.hold import Hold
 from controlplane.gateway.metrics import GatewayMetrics
 from controlplane.gateway.routing import ReplicaView, Router
 from controlplane.spec import ProbePaths, ReplicaState
@@ -34,8 +35,12 @@ class Discovery:
         metrics: GatewayMetrics,
         *,
         monotonic: Callable[[], float] = time.monotonic,
+        hold: Hold | None = None,
     ) -> None:
         self._store = store
+        self._hold = hold
+        """Told the deployments on every change (which models are scaled to zero), and when replicas
+        become ready (held requests go on)."""
         self._router = router
         self._session = session
         self._metrics = metrics
@@ -55,6 +60,7 @@ class Discovery:
                 self.store_ok = True
                 return
             records = await asyncio.to_thread(self._store.list_replicas)
+            deployments = await asyncio.to_thread(self._store.list_deployments) if self._hold else []
             names = sorted({r.deployment for r in records if r.state is ReplicaState.READY})
             keys = {n: await asyncio.to_thread(self._store.get_engine_key, n) for n in names}
             self.store_ok = True
@@ -86,6 +92,8 @@ class Discovery:
         if new:
             logger.info("replicas now: %s", ", ".join(sorted(v.id for v in self._router.replicas)))
             await asyncio.gather(*(self._learn_context(v) for v in new))
+        if self._hold is not None:
+            self._hold.update(deployments)
 
     def _paths(self, view: ReplicaView) -> ProbePaths:
         return self._probes.get(view.id, _DEFAULT_PROBES)

@@ -11,6 +11,7 @@ __all__ = ["GatewayMetrics"]
 
 # Latency buckets from 1 ms to 2 min: TTFT of a cached prompt is a few ms, a long generation minutes.
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_HOLD = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
 
@@ -93,6 +94,26 @@ class GatewayMetrics:
             "sarv_gateway_guardrail_actions",
             "Guardrail refusals and redactions",
             ["hook", "action"],
+            registry=r,
+        )
+
+        self.held = Gauge(
+            "sarv_gateway_held_requests",
+            "Requests held now for a model scaled to zero, while it wakes",
+            ["model"],
+            registry=r,
+        )
+        self.held_total = Counter(
+            "sarv_gateway_held",
+            "Requests held for a model scaled to zero, by outcome: served, timeout, full (503 at once), gone",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.hold_seconds = Histogram(
+            "sarv_gateway_hold_seconds",
+            "Time a request was held while its model woke (served or not)",
+            ["model"],
+            buckets=_HOLD,
             registry=r,
         )
 

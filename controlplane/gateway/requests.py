@@ -260,6 +260,12 @@ class RequestChecks:
                 code="model_not_found",
                 reason="unknown_model",
             )
+        self.check_allowed(levels, model)
+        return model
+
+    @staticmethod
+    def check_allowed(levels: tuple[Level, ...], model: str) -> None:
+        """403 unless each level (key, team, organisation) allows ``model``."""
         for level in levels:
             if level.models and model not in level.models:
                 raise ApiError(
@@ -269,7 +275,6 @@ class RequestChecks:
                     code="model_not_allowed",
                     reason="model_not_allowed",
                 )
-        return model
 
     def check_caps(self, req: BaseModel) -> None:
         lim = self._limits

@@ -208,6 +208,18 @@ class StateStore(Protocol):
         """Rows of the hours that start in ``[since's hour, until)``, by hour, key, team, model."""
         ...
 
+    # wake requests: a gateway holding requests of a deployment at zero asks the controller to wake it
+    # (not a state change: no revision bump; the controller polls them between its passes)
+    def request_wake(self, deployment: str, at: float) -> None:
+        """Ask for ``deployment`` to be woken (the newest ask's time is kept)."""
+        ...
+
+    def list_wake_requests(self) -> dict[str, float]:
+        """Deployment → time of the newest wake request not yet cleared."""
+        ...
+
+    def clear_wake_request(self, deployment: str) -> None: ...
+
     # change feed and lifecycle
     def revision(self) -> int: ...
     def ping(self) -> None:

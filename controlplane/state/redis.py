@@ -114,6 +114,7 @@ class RedisStore:
         self._events = tag + "events"
         self._usage = tag + "usage:"
         self._usage_hours = tag + "usage-hours"
+        self._wakes = tag + "wake-requests"
         self._lock = threading.Lock()
         self._client: Any = None
         self._scripts: dict[str, Script] = {}
@@ -308,6 +309,18 @@ class RedisStore:
                 key, team, model = json.loads(who)
                 out.append(UsageRecord(hour=int(hour), key=key, team=team, model=model, **counts))
         return sorted(out, key=lambda r: r.ident)
+
+    # --- wake requests: one hash, deployment → time of the newest ask (no revision bump)
+
+    def request_wake(self, deployment: str, at: float) -> None:
+        self._call(lambda c: c.hset(self._wakes, deployment, repr(at)))
+
+    def list_wake_requests(self) -> dict[str, float]:
+        fields: dict[str, str] = self._call(partial(_hgetall, self._wakes))
+        return {name: float(at) for name, at in fields.items()}
+
+    def clear_wake_request(self, deployment: str) -> None:
+        self._call(lambda c: c.hdel(self._wakes, deployment))
 
     # --- change feed and lifecycle
 

@@ -29,7 +29,7 @@ __all__ = ["SCHEMA_VERSION", "SqliteStore"]
 _T = TypeVar("_T")
 _M = TypeVar("_M", bound=BaseModel)
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """``PRAGMA user_version`` of the layout below; a file from a newer Sarv is refused, never rewritten."""
 
 # Version n's statements take a file from version n - 1 to n. Append, never edit a released step.
@@ -64,6 +64,7 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "cost REAL NOT NULL, PRIMARY KEY (hour, key, team, model))",
     ),
     6: ("CREATE TABLE engine_keys (deployment TEXT PRIMARY KEY, secret TEXT NOT NULL)",),
+    7: ("CREATE TABLE wake_requests (deployment TEXT PRIMARY KEY, at REAL NOT NULL)",),
 }
 
 EVENTS_KEPT = 5000
@@ -357,6 +358,26 @@ class SqliteStore:
         with self._lock:
             rows = self._guard(lambda: self._conn.execute(sql, params).fetchall())
         return [self._load(EventRecord, r[0]) for r in rows]
+
+    # --- wake requests (a gateway holding requests of a deployment at zero asks the controller)
+
+    def request_wake(self, deployment: str, at: float) -> None:
+        # Not a state change: the controller polls these itself; gateways need not re-read replicas.
+        sql = (
+            "INSERT INTO wake_requests (deployment, at) VALUES (?, ?) "
+            "ON CONFLICT (deployment) DO UPDATE SET at = excluded.at"
+        )
+        with self._lock:
+            self._guard(lambda: self._conn.execute(sql, (deployment, at)))
+
+    def list_wake_requests(self) -> dict[str, float]:
+        rows = self._read("SELECT deployment, at FROM wake_requests")
+        return {str(name): float(at) for name, at in rows}
+
+    def clear_wake_request(self, deployment: str) -> None:
+        sql = "DELETE FROM wake_requests WHERE deployment = ?"
+        with self._lock:
+            self._guard(lambda: self._conn.execute(sql, (deployment,)))
 
     # --- usage
 

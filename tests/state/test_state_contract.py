@@ -310,3 +310,16 @@ def test_close_then_new_store_sees_data(backend: Backend) -> None:
     again = backend.open()
     assert again.get_api_key_by_name("persist") == api_key("persist", "e")
     assert again.revision() == 1
+
+
+def test_wake_requests_keep_the_newest_ask_clear_and_bump_no_revision(store: StateStore) -> None:
+    rev = store.revision()
+    assert store.list_wake_requests() == {}
+    store.request_wake("web", 10.0)
+    store.request_wake("web", 12.5)
+    store.request_wake("chat", 11.0)
+    assert store.list_wake_requests() == {"web": 12.5, "chat": 11.0}
+    store.clear_wake_request("web")
+    store.clear_wake_request("absent")
+    assert store.list_wake_requests() == {"chat": 11.0}
+    assert store.revision() == rev
