@@ -1,5 +1,6 @@
 """Declarative deployments (``llmctl apply -f FILE``): read a YAML file of deployments, compare each with
-the desired state, and bring the store to it (create, scale, or refuse what would need a rollout)."""
+the desired state, and bring the store to it: create, scale, or roll a changed spec out as a canary
+(:mod:`controlplane.controller.rollout`)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ class Action(StrEnum):
     CREATE = "create"
     SCALE = "scale"
     UNCHANGED = "unchanged"
+    ROLLOUT = "rollout"
+    """Another change than the replica counts: started as a canary rollout."""
     REFUSED = "refused"
-    """Another change than the replica count: a rolling update, which ``apply`` does not do yet."""
+    """The replica counts and what the replicas run changed at once: one apply for each."""
 
 
 class Change(BaseModel):
@@ -45,8 +48,11 @@ class Change(BaseModel):
         if self.action is Action.UNCHANGED:
             return f"= {self.name}: unchanged"
         diffs = ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, (a, b) in sorted(self.fields.items()))
-        mark = "~" if self.action is Action.SCALE else "!"
-        tail = "" if self.action is Action.SCALE else " (a rolling update: not supported yet)"
+        mark = {Action.SCALE: "~", Action.ROLLOUT: "»"}.get(self.action, "!")
+        tail = {
+            Action.SCALE: "",
+            Action.ROLLOUT: " (a canary rollout)",
+        }.get(self.action, " (replica counts and the rest at once: apply one, then the other)")
         return f"{mark} {self.name}: {diffs}{tail}"
 
 
@@ -122,10 +128,13 @@ def plan_changes(deployer: Deployer, specs: list[DeploymentSpec]) -> list[Change
             continue
         before, after = current.spec.model_dump(mode="json"), spec.model_dump(mode="json")
         fields = {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
+        sizing = {"replicas", "min_replicas", "max_replicas"}
         if not fields:
             action = Action.UNCHANGED
         elif set(fields) == {"replicas"}:
             action = Action.SCALE
+        elif not set(fields) & sizing:
+            action = Action.ROLLOUT
         else:
             action = Action.REFUSED
         out.append(Change(name=spec.name, action=action, spec=spec, fields=fields))

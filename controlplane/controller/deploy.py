@@ -34,6 +34,7 @@ from controlplane.spec import (
     ReplicaRecord,
     ReplicaState,
     Shard,
+    spec_version,
 )
 from controlplane.state.base import StateStore
 from controlplane.weights import WeightsPolicy, read_source_json
@@ -594,6 +595,7 @@ class Deployer:
                 adapters=[a.name for a in spec.lora_adapters],
                 weights=f"{model.name}/{PurePath(model_dir).name}" if model_dir else None,
                 probes=launch.probes,
+                version=spec_version(spec),
                 created_at=now,
                 updated_at=now,
             )
@@ -751,13 +753,13 @@ class Deployer:
         record = self.store.get_deployment(name)
         if record is None:
             raise NotFoundError(f"no deployment named {name!r}")
-        spec = record.spec
-        model = self.catalog.get(spec.model)
         old = self.store.get_replica(f"{name}-{index}")
+        spec = self._spec_of(record, old)
+        model = self.catalog.get(spec.model)
         plan = record.plan
         placed = plan.replicas[index] if index < len(plan.replicas) else None
         if placed is None or any(s.node in avoid for s in placed.shards):
-            plan = self._replace_placement(record, model, index, avoid)
+            plan = self._replace_placement(record, model, index, avoid, spec)
         prepared = self._preflight(spec, model, plan, [index])
         if old is not None:
             try:
@@ -772,11 +774,50 @@ class Deployer:
         )
         return launched[0].record
 
+    def _spec_of(self, record: DeploymentRecord, rec: ReplicaRecord | None) -> DeploymentSpec:
+        """The spec replica ``rec`` runs: its rollout's canary when it is one, else the deployment's."""
+        if rec is not None and rec.version and rec.version != spec_version(record.spec):
+            rollout = self.store.get_rollout(record.name)
+            if rollout is not None and rollout.active and rollout.canary_version == rec.version:
+                return rollout.canary.model_copy(update={"replicas": record.spec.replicas})
+        return record.spec
+
+    def start_version(
+        self, record: DeploymentRecord, spec: DeploymentSpec, index: int, placement: ReplicaPlan
+    ) -> ReplicaRecord:
+        """Start replica ``index`` of ``record``'s deployment running ``spec`` (a rollout's version) at
+        ``placement``, without waiting for it to load. The placement is recorded in the plan's slot; the
+        desired spec stays ``record``'s. What this call started is stopped again on any failure."""
+        model = self.catalog.get(spec.model)
+        slots = list(record.plan.replicas)
+        while len(slots) <= index:
+            slots.append(placement)
+        slots[index] = placement
+        plan = record.plan.model_copy(update={"replicas": slots})
+        prepared = self._preflight(spec, model, plan, [index])
+        self.store.put_deployment(record.model_copy(update={"plan": plan, "updated_at": self.clock()}))
+        launched: list[_Launched] = []
+        try:
+            self._launch_all(
+                spec, model=model, plan=plan, todo=[index], port=None, launched=launched, prepared=prepared
+            )
+        except BaseException:
+            for item in launched:
+                item.launcher.stop(item.record.handle)
+                self.store.delete_replica(item.record.id)
+            raise
+        return launched[0].record
+
     def _replace_placement(
-        self, record: DeploymentRecord, model: ModelSpec, index: int, avoid: frozenset[str]
+        self,
+        record: DeploymentRecord,
+        model: ModelSpec,
+        index: int,
+        avoid: frozenset[str],
+        spec: DeploymentSpec,
     ) -> Plan:
-        """``record``'s plan with replica ``index`` placed anew off ``avoid``; stored before it returns."""
-        spec = record.spec
+        """``record``'s plan with replica ``index`` (running ``spec``) placed anew off ``avoid``; stored
+        before it returns."""
         own = f"{spec.name}-{index}"
         others = [r for r in self.store.list_replicas() if r.id != own]
         taken = [s for r in others for s in r.shards]
@@ -859,6 +900,7 @@ class Deployer:
             stopped.append(rec.id)
         self.store.delete_deployment(name)
         self.store.delete_engine_key(name)
+        self.store.delete_rollout(name)
         record_event(
             self.store,
             "Undeployed",
@@ -901,7 +943,8 @@ def _conflict(old: DeploymentSpec, new: DeploymentSpec) -> UserError:
     changed = sorted(k for k, v in new.model_dump().items() if before.get(k) != v)
     return UserError(
         f"deployment {new.name} already exists with different {', '.join(changed)}",
-        hint=f"run `llmctl undeploy {new.name}` first, or pick another --name",
+        hint=f"roll the change out with `llmctl rollout {new.name} --set KEY=VALUE` or `llmctl apply`, "
+        "or pick another --name",
     )
 
 

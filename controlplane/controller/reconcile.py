@@ -31,7 +31,14 @@ from controlplane.controller.healing import (
     restart_due,
 )
 from controlplane.controller.health import PROBED_STATES, HealthRule, Streak, judge, probe_path
-from controlplane.engines.metrics import QUEUE_TIME, HistogramSample, parse_histogram, parse_vllm_metrics
+from controlplane.controller.rollout_policy import RolloutPolicy, RolloutState
+from controlplane.engines.metrics import (
+    QUEUE_TIME,
+    TTFT,
+    HistogramSample,
+    parse_histogram,
+    parse_vllm_metrics,
+)
 from controlplane.errors import ConfigError, PlacementError, SarvError, describe_validation_error
 from controlplane.launchers.base import ProcessState, ReplicaProcess
 from controlplane.spec import DeploymentRecord, Fleet, ReplicaRecord, ReplicaState
@@ -102,6 +109,8 @@ class ControllerConfig(BaseModel):
     """How long a scale-down lets a removed replica's in-flight requests finish before stopping it."""
     healing: HealingConfig = Field(default_factory=HealingConfig)
     """Restart back-off, crash loops and the node grace period."""
+    rollout: RolloutPolicy = Field(default_factory=RolloutPolicy)
+    """How canaries are judged (window, TTFT and error thresholds) and whether steps promote alone."""
 
     def policy_for(self, deployment: str) -> AutoscaleConfig:
         return self.deployments.get(deployment, self.autoscale)
@@ -142,6 +151,10 @@ _EVENT_REASONS = (
     "RestartFailed",
     "NodeLost",
     "NoRoom",
+    "RolloutPromoted",
+    "RolloutSucceeded",
+    "RollingBack",
+    "RolledBack",
 )
 """Reasons of the events the controller records itself (either type, as the situation says)."""
 
@@ -236,6 +249,12 @@ class ControllerMetrics:
             ["node", "gpu_type", "state"],
             registry=r,
         )
+        self.rollout_weight = Gauge(
+            "sarv_rollout_canary_weight_percent",
+            "Share of the deployment's traffic its rollout's canary takes (0 while rolling back).",
+            ["deployment"],
+            registry=r,
+        )
         self.node_schedulable = Gauge(
             "sarv_node_schedulable",
             "1 while the node takes new replicas, 0 while it is cordoned.",
@@ -274,6 +293,8 @@ class ProbeResult:
     kv_cache_usage: float | None = None
     queue: HistogramSample | None = None
     """Its ``vllm:request_queue_time_seconds`` histogram (cumulative)."""
+    ttft: HistogramSample | None = None
+    """Its ``vllm:time_to_first_token_seconds`` histogram (cumulative): a rollout's TTFT signal."""
 
 
 @dataclass
@@ -290,6 +311,8 @@ class PassReport:
     """Deployments this pass scaled: (from, to)."""
     restarted: list[str] = field(default_factory=list)
     """Replicas this pass started again (crash, lost node)."""
+    rollouts: dict[str, str] = field(default_factory=dict)
+    """Deployments with an active rollout: this pass's decision (hold, promote, rollback)."""
     failed_phases: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -328,6 +351,8 @@ class Reconciler:
     """Deployment → (retry at, last back-off) after a scale-up the planner could not place."""
     _exported: set[str] = field(default_factory=set)
     """Deployments whose ``sarv_deployment_replicas`` series this controller has set."""
+    _rollouts: dict[str, RolloutState] = field(default_factory=dict)
+    """The rollout policy's window per deployment under rollout."""
 
     # --- plumbing
 
@@ -352,6 +377,7 @@ class Reconciler:
         self._seen_restarts.clear()
         self._nodes.clear()
         self._unplaced.clear()
+        self._rollouts.clear()
 
     # --- one pass
 
@@ -415,12 +441,18 @@ class Reconciler:
 
         if not self._still_leader():
             return
+        pages: list[tuple[str, str]] = []
         with self._phase("autoscale", report):
-            gateway = await self._gateway_queues([d.name for d in deployments])
+            pages = await self._gateway_pages()
+            gateway = self._gateway_queues([d.name for d in deployments], pages)
             report.decisions = self._autoscale(deployments, replicas, probes, gateway)
         if acting and self._still_leader():
+            with self._phase("rollout", report):
+                await self._rollout(replicas, probes, pages, report)
+        if acting and self._still_leader():
             with self._phase("scale", report):
-                await self._apply(deployments, replicas, report)
+                # A deployment under rollout changes its replicas through the rollout alone.
+                await self._apply([d for d in deployments if d.name not in report.rollouts], replicas, report)
 
     def _take_lease(self) -> bool:
         if self.lease is None:
@@ -496,12 +528,16 @@ class Reconciler:
             return ProbeResult(rec.id, ok=True)
         queue = parse_histogram(text, QUEUE_TIME)
         return ProbeResult(
-            rec.id, ok=True, ongoing=load.ongoing, kv_cache_usage=load.kv_cache_usage, queue=queue
+            rec.id,
+            ok=True,
+            ongoing=load.ongoing,
+            kv_cache_usage=load.kv_cache_usage,
+            queue=queue,
+            ttft=parse_histogram(text, TTFT),
         )
 
-    async def _gateway_queues(self, models: list[str]) -> dict[str, tuple[tuple[str, HistogramSample], ...]]:
-        """Each model's ``sarv_gateway_queue_seconds`` histogram, by gateway; a gateway that does not
-        answer is left out (its queue is unknown, not empty) and logged."""
+    async def _gateway_pages(self) -> list[tuple[str, str]]:
+        """Each gateway's metrics page, by URL; "" for a gateway that does not answer (logged)."""
         import httpx
 
         headers = {}
@@ -523,7 +559,13 @@ class Reconciler:
                 return url, ""
             return url, resp.text if resp.status_code == 200 else ""
 
-        pages = await asyncio.gather(*(one(u) for u in self.config.gateway_metrics))
+        return list(await asyncio.gather(*(one(u) for u in self.config.gateway_metrics)))
+
+    def _gateway_queues(
+        self, models: list[str], pages: list[tuple[str, str]]
+    ) -> dict[str, tuple[tuple[str, HistogramSample], ...]]:
+        """Each model's ``sarv_gateway_queue_seconds`` histogram, by gateway; a gateway that does not
+        answer is left out (its queue is unknown, not empty)."""
         out: dict[str, tuple[tuple[str, HistogramSample], ...]] = {}
         for model in models:
             found = []
@@ -667,6 +709,52 @@ class Reconciler:
                 with suppress(KeyError):
                     gauge.remove(name)
         return decisions
+
+    # --- act: rollouts
+
+    async def _rollout(
+        self,
+        replicas: list[ReplicaRecord],
+        probes: dict[str, ProbeResult],
+        pages: list[tuple[str, str]],
+        report: PassReport,
+    ) -> None:
+        """Drive each active rollout one change and one judgement on (``controller.rollout``)."""
+        from controlplane.controller.rollout import drive, sample_of
+
+        deployer = self.deployer
+        assert deployer is not None
+        active = [r for r in self.store.list_rollouts() if r.active]
+        ttft = {rid: p.ttft for rid, p in probes.items()}
+        now = self.monotonic()
+        for rollout in active:
+            name = rollout.deployment
+            report.rollouts[name] = "hold"
+            sample = sample_of(now, rollout, replicas, ttft, pages)
+            try:
+                state, decision = await asyncio.to_thread(
+                    drive,
+                    deployer,
+                    name,
+                    sample=sample,
+                    state=self._rollouts.get(name, RolloutState()),
+                    policy=self.config.rollout,
+                    now=now,
+                    drain_timeout=self.config.drain_timeout_s,
+                    metrics=self.metrics,
+                )
+            except SarvError as exc:
+                logger.warning("rollout of %s: %s", name, exc.message)
+                continue
+            self._rollouts[name] = state
+            if decision is not None:
+                report.rollouts[name] = decision.action.value
+            after = self.store.get_rollout(name)
+            self.metrics.rollout_weight.labels(name).set(after.weight if after is not None else 0)
+        for name in [n for n in self._rollouts if n not in {r.deployment for r in active}]:
+            del self._rollouts[name]
+            with suppress(KeyError):
+                self.metrics.rollout_weight.remove(name)
 
     # --- act: scale
 
