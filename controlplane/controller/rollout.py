@@ -386,6 +386,8 @@ def converge(
         assert record is not None  # get_rollout checked it
         if not rollout.active:
             return rollout, True
+        if wait:
+            deployer.refresh(name)  # loading replicas become ready here (the controller probes its own)
         placed, acted = _one_change(
             deployer, rollout, record, drain_timeout=drain_timeout, source=source, metrics=metrics
         )
@@ -428,25 +430,26 @@ def _one_change(
         )
     )
     shrink, want_shrink = (canary, want_canary) if back else (stable, want_stable)
-    if len(grow) < want_grow:
-        _add(deployer, rollout, record, grow_spec, members, source=source, metrics=metrics)
-        return False, True
-    if sum(1 for r in grow if r.state is ReplicaState.READY) < want_grow:
-        return False, False  # loading: capacity on its way
+    # Shrink first where the ready replicas stay at the floor without the one leaving (it frees the room
+    # the other version needs); grow first otherwise.
     if len(shrink) > want_shrink:
         victim = _removal_order(shrink)[0]
         ready = sum(1 for r in members if r.state is ReplicaState.READY)
-        if victim.state is ReplicaState.READY and ready - 1 < min_available(record.spec):
-            return False, False
-        drain_replicas(
-            deployer,
-            [victim],
-            timeout=drain_timeout,
-            reason=f"rollout of {rollout.deployment}",
-            source=source,
-            metrics=metrics,
-        )
+        if victim.state is not ReplicaState.READY or ready - 1 >= min_available(record.spec):
+            drain_replicas(
+                deployer,
+                [victim],
+                timeout=drain_timeout,
+                reason=f"rollout of {rollout.deployment}",
+                source=source,
+                metrics=metrics,
+            )
+            return False, True
+    if len(grow) < want_grow:
+        _add(deployer, rollout, record, grow_spec, members, source=source, metrics=metrics)
         return False, True
+    if sum(1 for r in grow if r.state is ReplicaState.READY) < want_grow or len(shrink) > want_shrink:
+        return False, False  # loading (capacity on its way), or the floor holds a replica back
     if back:
         ids = ", ".join(sorted(r.id for r in stable))
         done = _save(deployer, rollout, status=RolloutStatus.ROLLED_BACK)
@@ -489,13 +492,14 @@ def _add(
     plan = deployer.place_around(spec, model, 1, members)
     if not plan.replicas:
         why = deployer.no_room_reason(plan)
-        if rollout.reason != f"no room: {why}":
-            _save(deployer, rollout, reason=f"no room: {why}")
+        message = f"rollout of {rollout.deployment} waits for room for one more replica: {why}"
+        last = deployer.store.list_events(rollout.deployment, limit=1)
+        if not last or last[0].message != message:  # once, not every pass
             _event(
                 deployer,
                 rollout,
                 "NoRoom",
-                f"rollout of {rollout.deployment} waits for room for one more replica: {why}",
+                message,
                 source=source,
                 metrics=metrics,
                 warning=True,

@@ -178,11 +178,14 @@ class Router:
             cands = [r for r in pool if r.id not in exclude]
             if not cands:
                 return None
+        key = model
         split = self._splits.get(model)
         if split is not None:
             cands = self._version(model, cands, split)
-        turn = self._rr.get(model, 0)
-        self._rr[model] = turn + 1
+            # Each version rotates on its own: one shared turn would tie the offset to the version.
+            key = f"{model}\0{cands[0].version}"
+        turn = self._rr.get(key, 0)
+        self._rr[key] = turn + 1
         n = len(cands)
         if n == 1:
             return cands[0]
