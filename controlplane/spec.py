@@ -6,6 +6,8 @@ integers, the unit ``nvidia-smi`` reports; GiB appear only in human-facing outpu
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import re
 from enum import StrEnum
@@ -26,6 +28,7 @@ from controlplane.errors import UserError, describe_validation_error
 __all__ = [
     "DTYPE_BYTES",
     "GPU",
+    "IN_PLACE_FIELDS",
     "DeploymentRecord",
     "DeploymentSpec",
     "Dtype",
@@ -40,10 +43,13 @@ __all__ = [
     "ReplicaPlan",
     "ReplicaRecord",
     "ReplicaState",
+    "RolloutRecord",
+    "RolloutStatus",
     "Shard",
     "SpeculativeConfig",
     "Strategy",
     "ZeroMode",
+    "spec_version",
 ]
 
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
@@ -532,6 +538,9 @@ class ReplicaRecord(_Model):
     """The engine's health, readiness and metrics paths."""
     handle: dict[str, str] = Field(default_factory=dict)
     """Launcher bookkeeping (pid, unit name, log path …)."""
+    version: str = ""
+    """The deployment version it runs (:func:`spec_version` of the spec it was started with); "" in
+    records written before versions existed, which count as the deployment's stable version."""
     message: str = ""
     created_at: float = 0.0
     updated_at: float = 0.0
@@ -562,3 +571,71 @@ class DeploymentRecord(_Model):
     @property
     def name(self) -> str:
         return self.spec.name
+
+
+IN_PLACE_FIELDS = frozenset({"replicas", "min_replicas", "max_replicas", "scale_to_zero", "idle_timeout_s"})
+"""Fields that size a deployment or say when it scales, without changing what its replicas run: not part
+of its version, changed in place (``llmctl deploy``/``apply``), never rolled out."""
+
+
+def spec_version(spec: DeploymentSpec) -> str:
+    """A short digest of what ``spec``'s replicas run (everything but :data:`IN_PLACE_FIELDS`): two replicas
+    with the same version are interchangeable, and a rollout is a change of version."""
+    body = spec.model_dump(mode="json", exclude=set(IN_PLACE_FIELDS))
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:10]
+
+
+class RolloutStatus(StrEnum):
+    PROGRESSING = "progressing"
+    """The canary takes the current step's share of traffic; the controller compares and promotes."""
+    ROLLING_BACK = "rolling-back"
+    """The canary takes no traffic; the stable version is brought back to its replica count, then the
+    canary replicas are stopped."""
+    SUCCEEDED = "succeeded"
+    """The new version runs every replica and is the deployment's spec."""
+    ROLLED_BACK = "rolled-back"
+    """Exactly the old version runs, as before the rollout."""
+
+
+class RolloutRecord(_Model):
+    """One deployment's rollout (``llmctl rollout``), kept in the state store: what the controller needs
+    to go on after a restart. One per deployment; a finished one stays until the next starts."""
+
+    deployment: Name
+    stable: DeploymentSpec
+    """The version running before the rollout (what a rollback leaves)."""
+    canary: DeploymentSpec
+    """The new version."""
+    stable_version: str
+    canary_version: str
+    steps: list[int] = Field(default_factory=lambda: [10, 50, 100], min_length=1, max_length=20)
+    """Canary traffic shares in percent, increasing, the last 100."""
+    step: int = Field(default=0, ge=0)
+    """Index into ``steps`` of the current share."""
+    status: RolloutStatus = RolloutStatus.PROGRESSING
+    reason: str = ""
+    """The last decision, in one line (why it holds, promoted or rolled back)."""
+    comparison: dict[str, float | None] = Field(default_factory=dict)
+    """The last comparison's numbers: ``canary_ttft_p95_s``, ``stable_error_ratio``, ``canary_requests`` …"""
+    started_at: float = 0.0
+    step_started_at: float = 0.0
+    """When the current step's share took effect."""
+    updated_at: float = 0.0
+
+    @field_validator("steps")
+    @classmethod
+    def _increasing_to_100(cls, v: list[int]) -> list[int]:
+        if any(not 0 < w <= 100 for w in v) or any(b <= a for a, b in itertools.pairwise(v)):
+            raise ValueError(f"steps {v} must increase, each in 1..100")
+        if v[-1] != 100:
+            raise ValueError(f"steps {v} must end at 100 (the canary takes all traffic last)")
+        return v
+
+    @property
+    def weight(self) -> int:
+        """The canary's share of traffic now, in percent (0 once it is rolling back or finished)."""
+        return self.steps[self.step] if self.status is RolloutStatus.PROGRESSING else 0
+
+    @property
+    def active(self) -> bool:
+        return self.status in {RolloutStatus.PROGRESSING, RolloutStatus.ROLLING_BACK}

@@ -80,8 +80,9 @@ def register(app: typer.Typer) -> None:
         inventory: InventoryOpt = None,
         output: Annotated[StatusFormat, typer.Option("--output", "-o")] = StatusFormat.TABLE,
     ) -> None:
-        """Bring deployments to what FILE declares (the fields of `llmctl deploy`): create, or scale a
-        changed replica count; applying the same file twice changes nothing."""
+        """Bring deployments to what FILE declares (the fields of `llmctl deploy`): create, scale a
+        changed replica count, or roll any other change out as a canary (`llmctl rollout status`);
+        applying the same file twice changes nothing."""
         from controlplane.cli.audit import audited
         from controlplane.controller.apply import Action, load_manifest, plan_changes
 
@@ -98,13 +99,17 @@ def register(app: typer.Typer) -> None:
             if refused:
                 first = refused[0]
                 raise UserError(
-                    f"{file}: {first.name} changes {', '.join(sorted(first.fields))}; rolling updates "
-                    "are not supported yet, so nothing was applied",
-                    hint=f"change only replicas, or `llmctl undeploy {first.name}` and apply again",
+                    f"{file}: {first.name} changes {', '.join(sorted(first.fields))} at once; the replica "
+                    "counts scale and the rest rolls out, so nothing was applied",
+                    hint="apply the replica counts first, then the other changes (or the other way round)",
                 )
+            from controlplane.controller.rollout import start_rollout
+
             with audited(deployer.store, "apply", str(file), {"deployments": str(len(changes))}):
                 for change in changes:
-                    if change.action is not Action.UNCHANGED:
+                    if change.action is Action.ROLLOUT:
+                        start_rollout(deployer, change.name, change.spec, timeout=timeout)
+                    elif change.action is not Action.UNCHANGED:
                         deployer.deploy(change.spec, timeout=timeout)
         if output is StatusFormat.JSON:
             ui.print_json([_change_doc(c) for c in changes])

@@ -1,5 +1,6 @@
 """Declarative deployments (``llmctl apply -f FILE``): read a YAML file of deployments, compare each with
-the desired state, and bring the store to it (create, scale, or refuse what would need a rollout)."""
+the desired state, and bring the store to it: create, scale, or roll a changed spec out as a canary
+(:mod:`controlplane.controller.rollout`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from controlplane.controller.deploy import Deployer
 from controlplane.errors import UserError, describe_validation_error
-from controlplane.spec import DeploymentSpec
+from controlplane.spec import IN_PLACE_FIELDS, DeploymentSpec
 
 __all__ = ["Action", "Change", "load_manifest", "plan_changes"]
 
@@ -21,9 +22,12 @@ _AUTO = "auto"
 class Action(StrEnum):
     CREATE = "create"
     SCALE = "scale"
+    """Only the replica counts, bounds or scale-to-zero settings: changed in place."""
     UNCHANGED = "unchanged"
+    ROLLOUT = "rollout"
+    """A change of what the replicas run: started as a canary rollout."""
     REFUSED = "refused"
-    """Another change than the replica count: a rolling update, which ``apply`` does not do yet."""
+    """In-place settings and what the replicas run changed at once: one apply for each."""
 
 
 class Change(BaseModel):
@@ -45,8 +49,11 @@ class Change(BaseModel):
         if self.action is Action.UNCHANGED:
             return f"= {self.name}: unchanged"
         diffs = ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, (a, b) in sorted(self.fields.items()))
-        mark = "~" if self.action is Action.SCALE else "!"
-        tail = "" if self.action is Action.SCALE else " (a rolling update: not supported yet)"
+        mark = {Action.SCALE: "~", Action.ROLLOUT: "»"}.get(self.action, "!")
+        tail = {
+            Action.SCALE: "",
+            Action.ROLLOUT: " (a canary rollout)",
+        }.get(self.action, " (replica counts and the rest at once: apply one, then the other)")
         return f"{mark} {self.name}: {diffs}{tail}"
 
 
@@ -124,8 +131,10 @@ def plan_changes(deployer: Deployer, specs: list[DeploymentSpec]) -> list[Change
         fields = {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
         if not fields:
             action = Action.UNCHANGED
-        elif set(fields) == {"replicas"}:
+        elif set(fields) <= IN_PLACE_FIELDS:
             action = Action.SCALE
+        elif not set(fields) & IN_PLACE_FIELDS:
+            action = Action.ROLLOUT
         else:
             action = Action.REFUSED
         out.append(Change(name=spec.name, action=action, spec=spec, fields=fields))

@@ -22,6 +22,7 @@ from controlplane.launchers.base import Launcher, ProcessState, ReplicaProcess
 from controlplane.launchers.local import LocalLauncher
 from controlplane.settings import Settings
 from controlplane.spec import (
+    IN_PLACE_FIELDS,
     DeploymentRecord,
     DeploymentSpec,
     EngineKind,
@@ -34,6 +35,7 @@ from controlplane.spec import (
     ReplicaRecord,
     ReplicaState,
     Shard,
+    spec_version,
 )
 from controlplane.state.base import StateStore
 from controlplane.weights import WeightsPolicy, read_source_json
@@ -403,9 +405,9 @@ class Deployer:
         model = self.catalog.get(spec.model)
         previous = self.store.get_deployment(spec.name)
         if previous is not None and previous.spec != spec:
-            if previous.spec.model_copy(update={"replicas": spec.replicas}) != spec:
+            if spec_version(previous.spec) != spec_version(spec):
                 raise _conflict(previous.spec, spec)
-            return self._scale_from_deploy(spec, wait=wait, timeout=timeout)
+            return self._update_in_place(previous, spec, wait=wait, timeout=timeout)
         loading: list[_Launched] = []
         if previous is not None:
             current = [r for r in self.refresh(spec.name) if r.state not in LEAVING_STATES]
@@ -469,6 +471,31 @@ class Deployer:
             )
         replicas = self.store.list_replicas(spec.name)
         return DeployResult(deployment=spec.name, changed=True, replicas=replicas, notes=list(plan.notes))
+
+    def _update_in_place(
+        self, previous: DeploymentRecord, spec: DeploymentSpec, *, wait: bool, timeout: float
+    ) -> DeployResult:
+        """``llmctl deploy``/``apply`` of a running deployment that changes only :data:`IN_PLACE_FIELDS`:
+        the bounds and scale-to-zero settings are written, then the replica count is scaled to."""
+        from controlplane.controller.events import record_event
+
+        settings = previous.spec.model_copy(
+            update={k: getattr(spec, k) for k in IN_PLACE_FIELDS - {"replicas"}}
+        )
+        if settings == previous.spec:
+            return self._scale_from_deploy(spec, wait=wait, timeout=timeout)
+        before, after = previous.spec.model_dump(), settings.model_dump()
+        changed = ", ".join(f"{k} {before[k]} -> {after[k]}" for k in sorted(after) if before[k] != after[k])
+        self.store.put_deployment(previous.model_copy(update={"spec": settings, "updated_at": self.clock()}))
+        record_event(self.store, "Updated", f"{changed} (in place)", object=f"deployment/{spec.name}",
+                     deployment=spec.name, clock=self.clock)  # fmt: skip
+        if spec.replicas != previous.spec.replicas:
+            result = self._scale_from_deploy(spec, wait=wait, timeout=timeout)
+            return result.model_copy(update={"changed": True, "notes": [f"updated {changed}", *result.notes]})
+        return DeployResult(
+            deployment=spec.name, changed=True, replicas=self.store.list_replicas(spec.name),
+            notes=[f"updated {changed}"],
+        )  # fmt: skip
 
     def _scale_from_deploy(self, spec: DeploymentSpec, *, wait: bool, timeout: float) -> DeployResult:
         """``llmctl deploy`` of a running deployment with another replica count: a scale in place."""
@@ -595,6 +622,7 @@ class Deployer:
                 adapters=[a.name for a in spec.lora_adapters],
                 weights=f"{model.name}/{PurePath(model_dir).name}" if model_dir else None,
                 probes=launch.probes,
+                version=spec_version(spec),
                 created_at=now,
                 updated_at=now,
             )
@@ -752,13 +780,13 @@ class Deployer:
         record = self.store.get_deployment(name)
         if record is None:
             raise NotFoundError(f"no deployment named {name!r}")
-        spec = record.spec
-        model = self.catalog.get(spec.model)
         old = self.store.get_replica(f"{name}-{index}")
+        spec = self._spec_of(record, old)
+        model = self.catalog.get(spec.model)
         plan = record.plan
         placed = plan.replicas[index] if index < len(plan.replicas) else None
         if placed is None or any(s.node in avoid for s in placed.shards):
-            plan = self._replace_placement(record, model, index, avoid)
+            plan = self._replace_placement(record, model, index, avoid, spec)
         prepared = self._preflight(spec, model, plan, [index])
         if old is not None:
             try:
@@ -773,11 +801,50 @@ class Deployer:
         )
         return launched[0].record
 
+    def _spec_of(self, record: DeploymentRecord, rec: ReplicaRecord | None) -> DeploymentSpec:
+        """The spec replica ``rec`` runs: its rollout's canary when it is one, else the deployment's."""
+        if rec is not None and rec.version and rec.version != spec_version(record.spec):
+            rollout = self.store.get_rollout(record.name)
+            if rollout is not None and rollout.active and rollout.canary_version == rec.version:
+                return rollout.canary.model_copy(update={"replicas": record.spec.replicas})
+        return record.spec
+
+    def start_version(
+        self, record: DeploymentRecord, spec: DeploymentSpec, index: int, placement: ReplicaPlan
+    ) -> ReplicaRecord:
+        """Start replica ``index`` of ``record``'s deployment running ``spec`` (a rollout's version) at
+        ``placement``, without waiting for it to load. The placement is recorded in the plan's slot; the
+        desired spec stays ``record``'s. What this call started is stopped again on any failure."""
+        model = self.catalog.get(spec.model)
+        slots = list(record.plan.replicas)
+        while len(slots) <= index:
+            slots.append(placement)
+        slots[index] = placement
+        plan = record.plan.model_copy(update={"replicas": slots})
+        prepared = self._preflight(spec, model, plan, [index])
+        self.store.put_deployment(record.model_copy(update={"plan": plan, "updated_at": self.clock()}))
+        launched: list[_Launched] = []
+        try:
+            self._launch_all(
+                spec, model=model, plan=plan, todo=[index], port=None, launched=launched, prepared=prepared
+            )
+        except BaseException:
+            for item in launched:
+                item.launcher.stop(item.record.handle)
+                self.store.delete_replica(item.record.id)
+            raise
+        return launched[0].record
+
     def _replace_placement(
-        self, record: DeploymentRecord, model: ModelSpec, index: int, avoid: frozenset[str]
+        self,
+        record: DeploymentRecord,
+        model: ModelSpec,
+        index: int,
+        avoid: frozenset[str],
+        spec: DeploymentSpec,
     ) -> Plan:
-        """``record``'s plan with replica ``index`` placed anew off ``avoid``; stored before it returns."""
-        spec = record.spec
+        """``record``'s plan with replica ``index`` (running ``spec``) placed anew off ``avoid``; stored
+        before it returns."""
         own = f"{spec.name}-{index}"
         others = [r for r in self.store.list_replicas() if r.id != own]
         taken = [s for r in others for s in r.shards]
@@ -860,6 +927,7 @@ class Deployer:
             stopped.append(rec.id)
         self.store.delete_deployment(name)
         self.store.delete_engine_key(name)
+        self.store.delete_rollout(name)
         record_event(
             self.store,
             "Undeployed",
@@ -902,7 +970,8 @@ def _conflict(old: DeploymentSpec, new: DeploymentSpec) -> UserError:
     changed = sorted(k for k, v in new.model_dump().items() if before.get(k) != v)
     return UserError(
         f"deployment {new.name} already exists with different {', '.join(changed)}",
-        hint=f"run `llmctl undeploy {new.name}` first, or pick another --name",
+        hint=f"roll the change out with `llmctl rollout {new.name} --set KEY=VALUE` or `llmctl apply`, "
+        "or pick another --name",
     )
 
 

@@ -32,7 +32,14 @@ from controlplane.controller.healing import (
 )
 from controlplane.controller.health import PROBED_STATES, HealthRule, Streak, judge, probe_path
 from controlplane.controller.idle import ZeroScaler
-from controlplane.engines.metrics import QUEUE_TIME, HistogramSample, parse_histogram, parse_vllm_metrics
+from controlplane.controller.rollout_policy import RolloutPolicy, RolloutState
+from controlplane.engines.metrics import (
+    QUEUE_TIME,
+    TTFT,
+    HistogramSample,
+    parse_histogram,
+    parse_vllm_metrics,
+)
 from controlplane.errors import ConfigError, PlacementError, SarvError, describe_validation_error
 from controlplane.launchers.base import ProcessState, ReplicaProcess
 from controlplane.spec import DeploymentRecord, Fleet, ReplicaRecord, ReplicaState
@@ -106,6 +113,8 @@ class ControllerConfig(BaseModel):
     wake_timeout_s: float = Field(default=120.0, gt=0, le=3600)
     """Limit of one ``POST /sleep`` or ``/wake_up`` (scale to zero), and how long passes run every
     0.2 s while a deployment wakes from zero."""
+    rollout: RolloutPolicy = Field(default_factory=RolloutPolicy)
+    """How canaries are judged (window, TTFT and error thresholds) and whether steps promote alone."""
 
     def policy_for(self, deployment: str) -> AutoscaleConfig:
         return self.deployments.get(deployment, self.autoscale)
@@ -149,6 +158,10 @@ _EVENT_REASONS = (
     "ScaledToZero",
     "Woken",
     "WakeFailed",
+    "RolloutPromoted",
+    "RolloutSucceeded",
+    "RollingBack",
+    "RolledBack",
 )
 """Reasons of the events the controller records itself (either type, as the situation says)."""
 
@@ -243,6 +256,12 @@ class ControllerMetrics:
             ["node", "gpu_type", "state"],
             registry=r,
         )
+        self.rollout_weight = Gauge(
+            "sarv_rollout_canary_weight_percent",
+            "Share of the deployment's traffic its rollout's canary takes (0 while rolling back).",
+            ["deployment"],
+            registry=r,
+        )
         self.node_schedulable = Gauge(
             "sarv_node_schedulable",
             "1 while the node takes new replicas, 0 while it is cordoned.",
@@ -281,6 +300,8 @@ class ProbeResult:
     kv_cache_usage: float | None = None
     queue: HistogramSample | None = None
     """Its ``vllm:request_queue_time_seconds`` histogram (cumulative)."""
+    ttft: HistogramSample | None = None
+    """Its ``vllm:time_to_first_token_seconds`` histogram (cumulative): a rollout's TTFT signal."""
 
 
 @dataclass
@@ -297,6 +318,8 @@ class PassReport:
     """Deployments this pass scaled: (from, to)."""
     restarted: list[str] = field(default_factory=list)
     """Replicas this pass started again (crash, lost node)."""
+    rollouts: dict[str, str] = field(default_factory=dict)
+    """Deployments with an active rollout: this pass's decision (hold, promote, rollback)."""
     failed_phases: list[str] = field(default_factory=list)
     zeroed: list[str] = field(default_factory=list)
     """Deployments this pass took to zero (scale to zero)."""
@@ -346,6 +369,9 @@ class Reconciler:
             self._zero = ZeroScaler(self)
         return self._zero
 
+    _rollouts: dict[str, RolloutState] = field(default_factory=dict)
+    """The rollout policy's window per deployment under rollout."""
+
     # --- plumbing
 
     @contextmanager
@@ -370,6 +396,7 @@ class Reconciler:
         self._nodes.clear()
         self._unplaced.clear()
         self.zero.forget()
+        self._rollouts.clear()
 
     # --- one pass
 
@@ -436,16 +463,33 @@ class Reconciler:
             with self._phase("heal", report):
                 replicas = await self._heal(deployments, replicas, probes, report)
 
-        if not self._still_leader():
-            return
+        if self._still_leader():
+            await self._act(deployments, replicas, probes, report, acting=acting)
+
+    async def _act(
+        self,
+        deployments: list[DeploymentRecord],
+        replicas: list[ReplicaRecord],
+        probes: dict[str, ProbeResult],
+        report: PassReport,
+        *,
+        acting: bool,
+    ) -> None:
+        """The pass's decisions on the probed state: autoscale, rollouts, scale, scale to zero."""
+        pages: list[tuple[str, str]] = []
         gateway: dict[str, tuple[tuple[str, HistogramSample], ...]] = {}
         serving = self.zero.active(deployments)
         with self._phase("autoscale", report):
-            gateway = await self._gateway_queues([d.name for d in deployments])
+            pages = await self._gateway_pages()
+            gateway = self._gateway_queues([d.name for d in deployments], pages)
             report.decisions = self._autoscale(serving, replicas, probes, gateway)
         if acting and self._still_leader():
+            with self._phase("rollout", report):
+                await self._rollout(replicas, probes, pages, report)
+        if acting and self._still_leader():
             with self._phase("scale", report):
-                await self._apply(serving, replicas, report)
+                # A deployment under rollout changes its replicas through the rollout alone.
+                await self._apply([d for d in serving if d.name not in report.rollouts], replicas, report)
         if self._still_leader():
             with self._phase("idle", report):
                 report.zeroed = await self.zero.settle(deployments, replicas, probes, gateway, acting=acting)
@@ -524,12 +568,16 @@ class Reconciler:
             return ProbeResult(rec.id, ok=True)
         queue = parse_histogram(text, QUEUE_TIME)
         return ProbeResult(
-            rec.id, ok=True, ongoing=load.ongoing, kv_cache_usage=load.kv_cache_usage, queue=queue
+            rec.id,
+            ok=True,
+            ongoing=load.ongoing,
+            kv_cache_usage=load.kv_cache_usage,
+            queue=queue,
+            ttft=parse_histogram(text, TTFT),
         )
 
-    async def _gateway_queues(self, models: list[str]) -> dict[str, tuple[tuple[str, HistogramSample], ...]]:
-        """Each model's ``sarv_gateway_queue_seconds`` histogram, by gateway; a gateway that does not
-        answer is left out (its queue is unknown, not empty) and logged."""
+    async def _gateway_pages(self) -> list[tuple[str, str]]:
+        """Each gateway's metrics page, by URL; "" for a gateway that does not answer (logged)."""
         import httpx
 
         headers = {}
@@ -551,7 +599,13 @@ class Reconciler:
                 return url, ""
             return url, resp.text if resp.status_code == 200 else ""
 
-        pages = await asyncio.gather(*(one(u) for u in self.config.gateway_metrics))
+        return list(await asyncio.gather(*(one(u) for u in self.config.gateway_metrics)))
+
+    def _gateway_queues(
+        self, models: list[str], pages: list[tuple[str, str]]
+    ) -> dict[str, tuple[tuple[str, HistogramSample], ...]]:
+        """Each model's ``sarv_gateway_queue_seconds`` histogram, by gateway; a gateway that does not
+        answer is left out (its queue is unknown, not empty)."""
         out: dict[str, tuple[tuple[str, HistogramSample], ...]] = {}
         for model in models:
             found = []
@@ -704,6 +758,52 @@ class Reconciler:
                 with suppress(KeyError):
                     self.metrics.decisions.remove(name, direction.value)
         return decisions
+
+    # --- act: rollouts
+
+    async def _rollout(
+        self,
+        replicas: list[ReplicaRecord],
+        probes: dict[str, ProbeResult],
+        pages: list[tuple[str, str]],
+        report: PassReport,
+    ) -> None:
+        """Drive each active rollout one change and one judgement on (``controller.rollout``)."""
+        from controlplane.controller.rollout import drive, sample_of
+
+        deployer = self.deployer
+        assert deployer is not None
+        active = [r for r in self.store.list_rollouts() if r.active]
+        ttft = {rid: p.ttft for rid, p in probes.items()}
+        now = self.monotonic()
+        for rollout in active:
+            name = rollout.deployment
+            report.rollouts[name] = "hold"
+            sample = sample_of(now, rollout, replicas, ttft, pages)
+            try:
+                state, decision = await asyncio.to_thread(
+                    drive,
+                    deployer,
+                    name,
+                    sample=sample,
+                    state=self._rollouts.get(name, RolloutState()),
+                    policy=self.config.rollout,
+                    now=now,
+                    drain_timeout=self.config.drain_timeout_s,
+                    metrics=self.metrics,
+                )
+            except SarvError as exc:
+                logger.warning("rollout of %s: %s", name, exc.message)
+                continue
+            self._rollouts[name] = state
+            if decision is not None:
+                report.rollouts[name] = decision.action.value
+            after = self.store.get_rollout(name)
+            self.metrics.rollout_weight.labels(name).set(after.weight if after is not None else 0)
+        for name in [n for n in self._rollouts if n not in {r.deployment for r in active}]:
+            del self._rollouts[name]
+            with suppress(KeyError):
+                self.metrics.rollout_weight.remove(name)
 
     # --- act: scale
 

@@ -197,6 +197,12 @@ def scale(
     if record is None:
         known = ", ".join(d.name for d in store.list_deployments()) or "none"
         raise NotFoundError(f"no deployment named {name!r} (deployments: {known})")
+    rollout = store.get_rollout(name)
+    if rollout is not None and rollout.active and replicas != record.spec.replicas:
+        raise UserError(
+            f"deployment {name} has a rollout in progress ({rollout.status.value}); it is not scaled",
+            hint=f"`llmctl rollout promote {name}` to the end or `llmctl rollout abort {name}` first",
+        )
     spec = _with_replicas(record.spec, replicas)
     before = record.spec.replicas
     members = [r for r in store.list_replicas(name) if r.state not in LEAVING_STATES]

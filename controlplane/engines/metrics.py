@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 __all__ = [
     "QUEUE_TIME",
+    "TTFT",
     "HistogramSample",
     "VllmLoad",
+    "parse_counters",
     "parse_histogram",
     "parse_vllm_metrics",
 ]
@@ -23,6 +25,8 @@ _QUEUE_SUM = ("vllm:request_queue_time_seconds_sum", "vllm:time_in_queue_request
 _QUEUE_COUNT = ("vllm:request_queue_time_seconds_count", "vllm:time_in_queue_requests_count")
 QUEUE_TIME = "vllm:request_queue_time_seconds"
 """The histogram of the seconds each request waited for a slot (vLLM V1)."""
+TTFT = "vllm:time_to_first_token_seconds"
+"""The histogram of the seconds from a request's arrival to its first token."""
 _READ = frozenset(_WAITING + _RUNNING + _KV + _QUEUE_SUM + _QUEUE_COUNT)
 
 
@@ -199,3 +203,19 @@ def parse_histogram(text: str, name: str, match: dict[str, str] | None = None) -
         return None
     bounds = tuple(sorted(buckets))
     return HistogramSample(bounds, tuple(buckets[b] for b in bounds), total)
+
+
+def parse_counters(text: str, name: str, label: str) -> dict[str, float]:
+    """The samples of series ``name`` (a counter's ``…_total``) on a ``/metrics`` page, summed by the
+    value of ``label`` (samples without it are left out)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        sample = _sample(line)
+        if sample is None or sample[0] != name:
+            continue
+        value = _labels(line).get(label)
+        if value is not None:
+            out[value] = out.get(value, 0.0) + sample[1]
+    return out

@@ -61,6 +61,7 @@ class Discovery:
                 return
             records = await asyncio.to_thread(self._store.list_replicas)
             deployments = await asyncio.to_thread(self._store.list_deployments) if self._hold else []
+            rollouts = await asyncio.to_thread(self._store.list_rollouts)
             names = sorted({r.deployment for r in records if r.state is ReplicaState.READY})
             keys = {n: await asyncio.to_thread(self._store.get_engine_key, n) for n in names}
             self.store_ok = True
@@ -78,7 +79,9 @@ class Discovery:
             self._tried = True
         ready = [r for r in records if r.state is ReplicaState.READY and r.endpoint]
         self._probes = {r.id: r.probes for r in ready}
-        new = self._router.set_replicas(ready)
+        # Every rollout in progress splits its model's traffic by the canary's weight (0 while rolling back).
+        canaries = {r.canary_version: r.weight / 100 for r in rollouts if r.active}
+        new = self._router.set_replicas(ready, canaries)
         deployment = {r.id: r.deployment for r in ready}
         for view in self._router.replicas:
             key = keys.get(deployment.get(view.id, ""))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from controlplane.gateway.config import RoutingConfig, RoutingPolicy
@@ -15,6 +15,10 @@ from controlplane.spec import ReplicaRecord
 # divided by the replica's capacity so that heterogeneous replicas compare. Affinity follows llm-d's
 # endpoint picker (chained block hashes, per-replica LRU, scorer weights queue 2 / KV 2 / prefix 3, a
 # saturation filter) with AIBrix's load guard on top: affinity is always blended with load.
+#
+# During a rollout a model's replicas run two versions: the canary's share of the traffic picks the version
+# first (a deterministic running count, so that shares match the weight over any window, not only on
+# average), then the scoring above picks the replica within it.
 
 __all__ = ["ReplicaView", "Router"]
 
@@ -30,6 +34,8 @@ class ReplicaView:
     adapters: frozenset[str] = frozenset()
     weights: str | None = None
     """``<model>/<digest>`` of the verified weights (see ReplicaRecord.weights)."""
+    version: str = ""
+    """The deployment version it runs (ReplicaRecord.version)."""
     max_model_len: int | None = None
     outstanding: int = 0
     outstanding_tokens: int = 0
@@ -66,11 +72,19 @@ class Router:
         self._by_model: dict[str, list[ReplicaView]] = {}
         self._index: dict[int, set[str]] = {}
         self._rr: dict[str, int] = {}
+        self._canaries: dict[str, float] = {}
+        """Canary version → its share of its model's traffic (0..1), from the rollouts in progress."""
+        self._splits: dict[str, tuple[str, float]] = {}
+        """Model → (canary version, share) for the models whose pool holds a canary."""
+        self._split_turn: dict[str, int] = {}
 
     # --- replica set
 
-    def set_replicas(self, records: Iterable[ReplicaRecord]) -> list[ReplicaView]:
-        """Replace the ready set, keeping the load, metrics and prefix history of replicas that stay.
+    def set_replicas(
+        self, records: Iterable[ReplicaRecord], canaries: Mapping[str, float] | None = None
+    ) -> list[ReplicaView]:
+        """Replace the ready set, keeping the load, metrics and prefix history of replicas that stay;
+        ``canaries`` maps each rollout's canary version to its share of traffic (0..1).
 
         Returns the replicas that are new (their context length is still unknown).
         """
@@ -85,6 +99,7 @@ class Router:
                 old.adapters = frozenset(rec.adapters)
                 old.model = rec.model
                 old.weights = rec.weights
+                old.version = rec.version
                 keep[rec.id] = old
             else:
                 view = ReplicaView(
@@ -94,6 +109,7 @@ class Router:
                     capacity=rec.capacity,
                     adapters=frozenset(rec.adapters),
                     weights=rec.weights,
+                    version=rec.version,
                 )
                 keep[rec.id] = view
                 new.append(view)
@@ -107,6 +123,13 @@ class Router:
             for adapter in view.adapters:
                 by_model.setdefault(adapter, []).append(view)
         self._by_model = by_model
+        self._canaries = dict(canaries or {})
+        self._splits = {}
+        for model, pool in by_model.items():
+            versions = {v.version for v in pool}
+            for version, share in self._canaries.items():
+                if version in versions:
+                    self._splits[model] = (version, max(0.0, min(1.0, share)))
         return new
 
     def _forget(self, view: ReplicaView) -> None:
@@ -155,8 +178,14 @@ class Router:
             cands = [r for r in pool if r.id not in exclude]
             if not cands:
                 return None
-        turn = self._rr.get(model, 0)
-        self._rr[model] = turn + 1
+        key = model
+        split = self._splits.get(model)
+        if split is not None:
+            cands = self._version(model, cands, split)
+            # Each version rotates on its own: one shared turn would tie the offset to the version.
+            key = f"{model}\0{cands[0].version}"
+        turn = self._rr.get(key, 0)
+        self._rr[key] = turn + 1
         n = len(cands)
         if n == 1:
             return cands[0]
@@ -164,6 +193,17 @@ class Router:
         if policy is RoutingPolicy.ROUND_ROBIN:
             return cands[turn % n]
         return self._score(cands, blocks if policy is RoutingPolicy.PREFIX_LOAD else [], now, turn)
+
+    def _version(self, model: str, cands: list[ReplicaView], split: tuple[str, float]) -> list[ReplicaView]:
+        """The candidates of the version this request goes to: the canary for its share of the model's
+        requests (request n goes to it when ``floor(n × share)`` steps up), else the stable version;
+        the other version when the chosen one has no candidate left (it is not ready, or excluded)."""
+        version, share = split
+        turn = self._split_turn.get(model, 0)
+        self._split_turn[model] = turn + 1
+        to_canary = int((turn + 1) * share + 1e-9) > int(turn * share + 1e-9)
+        chosen = [r for r in cands if (r.version == version) is to_canary]
+        return chosen or cands
 
     def _matches(self, blocks: list[int]) -> dict[str, int]:
         # Chained hashes: holding block i implies holding blocks 0..i-1 (up to LRU eviction), so one walk

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pydantic import BaseModel, SecretStr, ValidationError
 
 from controlplane.errors import ConfigError, StateError
-from controlplane.spec import DeploymentRecord, ReplicaRecord
+from controlplane.spec import DeploymentRecord, ReplicaRecord, RolloutRecord
 from controlplane.state.base import (
     ApiKeyRecord,
     AuditEntry,
@@ -110,6 +110,7 @@ class RedisStore:
         self._revision = tag + "revision"
         self._teams = tag + "teams"
         self._nodes = tag + "nodes"
+        self._rollouts = tag + "rollouts"
         self._audit = tag + "audit"
         self._events = tag + "events"
         self._usage = tag + "usage:"
@@ -223,6 +224,20 @@ class RedisStore:
 
     def delete_engine_key(self, deployment: str) -> bool:
         return bool(self._script("delete", [self._engine_keys, self._revision], [deployment]))
+
+    # --- rollouts
+
+    def put_rollout(self, record: RolloutRecord) -> None:
+        self._script("put", [self._rollouts, self._revision], [record.deployment, record.model_dump_json()])
+
+    def get_rollout(self, deployment: str) -> RolloutRecord | None:
+        return self._get(RolloutRecord, self._rollouts, deployment)
+
+    def list_rollouts(self) -> list[RolloutRecord]:
+        return [r for _, r in self._values(RolloutRecord, self._rollouts)]
+
+    def delete_rollout(self, deployment: str) -> bool:
+        return bool(self._script("delete", [self._rollouts, self._revision], [deployment]))
 
     # --- nodes
 

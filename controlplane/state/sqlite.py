@@ -14,7 +14,7 @@ from typing import TypeVar
 from pydantic import BaseModel, SecretStr, ValidationError
 
 from controlplane.errors import StateError
-from controlplane.spec import DeploymentRecord, ReplicaRecord
+from controlplane.spec import DeploymentRecord, ReplicaRecord, RolloutRecord
 from controlplane.state.base import (
     ApiKeyRecord,
     AuditEntry,
@@ -29,7 +29,7 @@ __all__ = ["SCHEMA_VERSION", "SqliteStore"]
 _T = TypeVar("_T")
 _M = TypeVar("_M", bound=BaseModel)
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """``PRAGMA user_version`` of the layout below; a file from a newer Sarv is refused, never rewritten."""
 
 # Version n's statements take a file from version n - 1 to n. Append, never edit a released step.
@@ -65,6 +65,7 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     ),
     6: ("CREATE TABLE engine_keys (deployment TEXT PRIMARY KEY, secret TEXT NOT NULL)",),
     7: ("CREATE TABLE wake_requests (deployment TEXT PRIMARY KEY, at REAL NOT NULL)",),
+    8: ("CREATE TABLE rollouts (deployment TEXT PRIMARY KEY, body TEXT NOT NULL)",),
 }
 
 EVENTS_KEPT = 5000
@@ -264,6 +265,27 @@ class SqliteStore:
 
     def delete_engine_key(self, deployment: str) -> bool:
         return self._delete("DELETE FROM engine_keys WHERE deployment = ?", deployment)
+
+    # --- rollouts
+
+    def put_rollout(self, record: RolloutRecord) -> None:
+        with self._write() as conn:
+            conn.execute(
+                "INSERT INTO rollouts (deployment, body) VALUES (?, ?) "
+                "ON CONFLICT (deployment) DO UPDATE SET body = excluded.body",
+                (record.deployment, record.model_dump_json()),
+            )
+
+    def get_rollout(self, deployment: str) -> RolloutRecord | None:
+        rows = self._read("SELECT body FROM rollouts WHERE deployment = ?", (deployment,))
+        return self._load(RolloutRecord, rows[0][0]) if rows else None
+
+    def list_rollouts(self) -> list[RolloutRecord]:
+        rows = self._read("SELECT body FROM rollouts ORDER BY deployment")
+        return [self._load(RolloutRecord, r[0]) for r in rows]
+
+    def delete_rollout(self, deployment: str) -> bool:
+        return self._delete("DELETE FROM rollouts WHERE deployment = ?", deployment)
 
     # --- nodes
 

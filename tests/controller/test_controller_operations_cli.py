@@ -61,12 +61,17 @@ def test_apply_creates_then_changes_nothing_then_scales(env: LlmctlEnv, tmp_path
     assert [r["state"] for r in web["replicas"]] == ["ready", "ready"]
     assert {r["node"] for r in web["replicas"]} == {"gpu-a", "gpu-b"}
     assert set(before) <= set(env.replica_pids()), "scaling kept the running replicas"
+    pids = env.replica_pids()
 
     path.write_text(_FILE.format(replicas=2).replace("engine: sim\nreplicas", "engine: sim\ntp: 2\nreplicas"))
+    dry = env.llmctl("apply", "-f", str(path), "--dry-run", check=True)
+    assert dry.stdout.splitlines()[0] == "» web: tp 1 -> 2 (a canary rollout)"
+    path.write_text(_FILE.format(replicas=3).replace("engine: sim\nreplicas", "engine: sim\ntp: 2\nreplicas"))
     refused = env.llmctl("apply", "-f", str(path))
     assert refused.returncode == 2
-    assert "web changes tp; rolling updates are not supported yet, so nothing was applied" in refused.stderr
+    assert "web changes replicas, tp at once; the replica counts scale and the rest" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
+    assert env.replica_pids() == pids, "nothing was applied"
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ def test_yaml_example_loads_and_its_dry_run_reads_as_documented(sim_deployer, tm
 def test_options_named_in_the_doc_exist() -> None:
     runner = CliRunner()
     helps = ""
-    for command in ("scale", "apply", "cordon", "uncordon", "drain", "events", "deploy"):
+    for command in ("scale", "apply", "cordon", "uncordon", "drain", "events", "deploy", "rollout"):
         result = runner.invoke(build_app(), [command, "--help"], env={"COLUMNS": "200"})
         assert result.exit_code == 0, result.output
         helps += result.output

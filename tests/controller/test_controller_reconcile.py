@@ -480,10 +480,12 @@ async def test_gateway_queue_wait_is_read_from_a_token_protected_metrics_listene
         token = tmp_path / "gateway-metrics.token"
         token.write_text("controller-reads-0123456789\n")
         without = Reconciler(store=store, client=client, config=ControllerConfig(gateway_metrics=[url]))
-        assert (await without._gateway_queues(["m"]))["m"] == ()  # 401: the queue is unknown, not empty
+        assert (
+            without._gateway_queues(["m"], await without._gateway_pages())["m"] == ()
+        )  # 401: the queue is unknown, not empty
         config = ControllerConfig(gateway_metrics=[url], gateway_metrics_token_file=token)
         rec = Reconciler(store=store, client=client, config=config)
-        [(source, histogram)] = (await rec._gateway_queues(["m"]))["m"]
+        [(source, histogram)] = rec._gateway_queues(["m"], await rec._gateway_pages())["m"]
         assert source == url and histogram.count == 1
     finally:
         await listener.stop()

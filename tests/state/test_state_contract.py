@@ -123,6 +123,34 @@ def test_nodes_round_trip_and_bump_the_revision(store: StateStore) -> None:
     )
 
 
+def test_rollouts_round_trip_and_bump_the_revision(store: StateStore) -> None:
+    from controlplane.spec import RolloutRecord, RolloutStatus, spec_version
+
+    stable = deployment("web", replicas=2).spec
+    canary = stable.model_copy(update={"engine_args": {"ttft_ms": 40}})
+    record = RolloutRecord(
+        deployment="web",
+        stable=stable,
+        canary=canary,
+        stable_version=spec_version(stable),
+        canary_version=spec_version(canary),
+        comparison={"canary_ttft_p95_s": 0.04, "stable_ttft_p95_s": None},
+        started_at=1.0,
+    )
+    assert store.get_rollout("web") is None
+    rev = store.revision()
+    store.put_rollout(record)
+    assert store.revision() > rev
+    assert store.get_rollout("web") == record
+    store.put_rollout(record.model_copy(update={"step": 1, "status": RolloutStatus.ROLLING_BACK}))
+    assert [(r.deployment, r.step, r.status) for r in store.list_rollouts()] == [
+        ("web", 1, RolloutStatus.ROLLING_BACK)
+    ]
+    assert store.delete_rollout("web") is True
+    assert store.delete_rollout("web") is False
+    assert store.list_rollouts() == []
+
+
 def test_usage_adds_up_per_hour_key_team_model(backend: Backend) -> None:
     from controlplane.state.base import UsageRecord
 

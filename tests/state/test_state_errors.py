@@ -244,7 +244,7 @@ def test_sqlite_file_of_schema_3_is_migrated_keeping_its_data(tmp_path: Path) ->
     assert [r.requests for r in store.list_usage()] == [1]
     store.close()
     with sqlite3.connect(path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
     conn.close()
 
 
