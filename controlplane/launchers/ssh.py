@@ -24,10 +24,15 @@ if TYPE_CHECKING:
 
     from controlplane.remote import FabricConnector
 
-__all__ = ["RemoteResult", "SshLauncher", "UnitState"]
+__all__ = ["POLL_TIMEOUT_S", "RemoteResult", "SshLauncher", "UnitState"]
 
 _INET_RE = re.compile(r"\binet (\d{1,3}(?:\.\d{1,3}){3})/")
 # systemd states in which the main process is (still) meant to run.
+POLL_TIMEOUT_S = 10.0
+"""Limit of one poll of a replica's unit (a ``systemctl show``, well under a second on a live node). A
+node cut off without a TCP reset never answers: the poll fails after this long, so the controller's pass
+goes on and counts the node silent, instead of holding every deployment for the command timeout."""
+
 _RUNNING = {"active", "activating", "reloading", "deactivating"}
 
 
@@ -149,6 +154,10 @@ class SshLauncher:
             command = "sudo -n sh -c " + shlex.quote(command)
         limit = timeout if timeout is not None else self.command_timeout
         try:
+            self._conn.open()  # a no-op while connected
+            # Each command opens a channel; on a link gone silent (no TCP reset) paramiko waits an hour
+            # for the node's answer by default, and the command's timer starts only after that.
+            self._conn.transport.channel_timeout = min(limit, POLL_TIMEOUT_S)
             res = self._conn.run(command, hide=True, warn=True, in_stream=False, timeout=max(1, int(limit)))
         except CommandTimedOut:
             raise LaunchError(
@@ -360,11 +369,12 @@ class SshLauncher:
             "log": f"ssh {self.node.name} journalctl -u {unit.name}",
         }
 
-    def unit_state(self, unit: str) -> UnitState:
+    def unit_state(self, unit: str, *, timeout: float | None = None) -> UnitState:
         res = self.run(
             "systemctl show --property=LoadState,ActiveState,SubState,ExecMainStatus,NRestarts "
             + shlex.quote(unit),
             check=False,
+            timeout=timeout,
         )
         props = dict(line.partition("=")[::2] for line in res.stdout.splitlines() if "=" in line)
         status = props.get("ExecMainStatus", "")
@@ -380,7 +390,7 @@ class SshLauncher:
         unit = handle.get("unit", "")
         if not unit:
             return ReplicaProcess(state=ProcessState.GONE)
-        return self.unit_state(unit).process
+        return self.unit_state(unit, timeout=POLL_TIMEOUT_S).process
 
     def stop(self, handle: dict[str, str], *, timeout: float = 30.0) -> None:
         unit = handle.get("unit", "")

@@ -11,8 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from fixtures.common import REPO
-from fixtures.testhosts import TestHost
+from fixtures.testhosts import TestHost, checkout_volumes
 
 from controlplane.launchers.ssh import SshLauncher
 from controlplane.settings import Settings
@@ -22,17 +21,10 @@ _QUERY = "0, GPU-{uuid}, NVIDIA L4, 23034, 0, 00000000:01:00.0\n"
 _TOPO = "\tGPU0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\nGPU0\t X \t0-1\t0\t\tN/A\n"
 
 
-def _remote_volumes() -> list[str]:
-    paths = {REPO, Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}
-    # Drop paths already inside another mounted one.
-    keep = [p for p in paths if not any(p != q and p.is_relative_to(q) for q in paths)]
-    return [f"{p}:{p}:ro" for p in sorted(keep)]
-
-
 @pytest.fixture(scope="session")
 def remote_hosts(testhost_factory: Callable[..., list[TestHost]]) -> list[TestHost]:
     """Two hosts with one declared L4 GPU each (fake nvidia-smi)."""
-    hosts = testhost_factory(2, prefix="remote", volumes=_remote_volumes())
+    hosts = testhost_factory(2, prefix="remote", volumes=checkout_volumes())
     for i, host in enumerate(hosts):
         # Test-only: /root is 0700 in the image; the unprivileged dynamic unit user must traverse it to
         # reach the interpreter mounted below it. Real nodes run Sarv's venv from /opt/sarv.
