@@ -10,10 +10,9 @@ load through the gateway while faults are injected one after the other:
     (``NodeBack``) and the replica left on it is stopped, so the deployment runs exactly its replicas.
 
 After each fault the deployment converges back: both replicas ready, on distinct live hosts, one active
-unit per replica across the fleet. Requests: every request through the gateway got 200 except ones in
-flight when a fault was injected or started before the controller had finished moving the replica
-(the gateway retries a refused connection on another replica, but not one it sent bytes to); precisely,
-each non-200 request's interval overlaps a fault window [fault injected, deployment converged].
+unit per replica across the fleet. Requests: each request that did not get 200 overlaps a fault window
+[fault injected, deployment converged again]. (Stricter, "only requests in flight at the fault", does
+not hold yet: see docs/controller.md, Failure tests.)
 """
 
 from __future__ import annotations
@@ -148,7 +147,7 @@ def host_of(hosts: list[TestHost], rec: ReplicaRecord) -> TestHost:
     return next(h for h in hosts if h.name == rec.node)
 
 
-def test_faults_on_container_hosts_converge_and_lose_no_request_that_had_not_started(
+def test_faults_on_container_hosts_converge_and_requests_fail_only_during_a_fault(
     env: LlmctlEnv, chaos_hosts: list[TestHost], tmp_path: Path
 ) -> None:
     env.llmctl("deploy", "sarv-tiny", "--name", "web", "--engine", "sim", "--replicas", "2", check=True)
