@@ -31,7 +31,7 @@ from controlplane.gateway.ratelimit import InProcessLimiter, Level, RateLimiter
 from controlplane.gateway.requests import ENDPOINTS, RequestChecks, prompt_parts
 from controlplane.gateway.routing import Router
 from controlplane.gateway.schemas import AudioRequest, ModelCard, ModelList, openapi_document
-from controlplane.gateway.upstream import Job, Upstream, trace_headers
+from controlplane.gateway.upstream import Job, Upstream, trace_headers, upstream_socket_factory
 from controlplane.gateway.usage import AccessLog, UsageRecorder
 from controlplane.state.base import StateStore
 
@@ -127,7 +127,12 @@ class GatewayApp:
         if self._session is None:
             # limit=0: the per-model gates bound concurrency; a connector cap would queue invisibly.
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, enable_cleanup_closed=True),
+                connector=aiohttp.TCPConnector(
+                    limit=0,
+                    keepalive_timeout=30.0,
+                    enable_cleanup_closed=True,
+                    socket_factory=upstream_socket_factory(self.config.limits.dead_peer_timeout_s),
+                ),
                 auto_decompress=False,
             )
         self.upstream.session = self._session

@@ -67,6 +67,12 @@ class LimitsConfig(_Model):
     request_timeout_s: float = Field(default=600.0, gt=0)
     """Upper bound on one request end to end, upstream included (504 when exceeded)."""
     connect_timeout_s: float = Field(default=3.0, gt=0)
+    dead_peer_timeout_s: float = Field(default=10.0, ge=1, le=600)
+    """How long data sent to a replica may stay unacknowledged (TCP_USER_TIMEOUT), and about how long an
+    idle pooled connection's keepalive probes may go unanswered, before the connection is given up: a
+    replica whose host vanished without a reset (powered off, cut off) then fails the request over to
+    another replica instead of holding it until ``request_timeout_s``. A live but busy replica's kernel
+    still acknowledges, so a long prefill is never cut by it."""
     max_outstanding_per_replica: int = Field(default=256, ge=1)
     """Requests in flight per unit of replica capacity before new ones queue in the gateway."""
     max_queue_per_model: int = Field(default=1024, ge=0)

@@ -12,8 +12,10 @@ import json
 import logging
 import os
 import re
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiohttp
 from yarl import URL
@@ -28,7 +30,19 @@ from controlplane.gateway.ratelimit import Reservation
 from controlplane.gateway.routing import ReplicaView, Router
 from controlplane.gateway.tokens import PromptInfo
 
-__all__ = ["MODERATION_KEY", "Flight", "Job", "Upstream", "openai_error", "trace_headers", "usage_from"]
+if TYPE_CHECKING:
+    from aiohappyeyeballs import AddrInfoType  # aiohttp's own dependency: the socket factory's argument
+
+__all__ = [
+    "MODERATION_KEY",
+    "Flight",
+    "Job",
+    "Upstream",
+    "openai_error",
+    "trace_headers",
+    "upstream_socket_factory",
+    "usage_from",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -369,6 +383,27 @@ class Upstream:
             raise ApiError(
                 503, f"{model} answered without a verdict", code="moderation_unavailable"
             ) from None
+
+
+def upstream_socket_factory(dead_peer_timeout_s: float) -> Callable[[AddrInfoType], socket.socket]:
+    """Sockets to replicas that notice a vanished peer (aiohttp's ``TCPConnector(socket_factory=…)``):
+    ``TCP_USER_TIMEOUT`` bounds unacknowledged data, keepalive probes idle pooled connections. Without
+    them the kernel retransmits for ~15 minutes into a host that is gone."""
+    timeout_ms = int(dead_peer_timeout_s * 1000)
+    idle = max(1, int(dead_peer_timeout_s / 2))
+    interval = max(1, int(dead_peer_timeout_s / 6))
+
+    def make(addr_info: AddrInfoType) -> socket.socket:
+        family, type_, proto, _, _ = addr_info
+        sock = socket.socket(family=family, type=type_, proto=proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (("TCP_USER_TIMEOUT", timeout_ms), ("TCP_KEEPIDLE", idle),
+                              ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", 3)):  # fmt: skip
+            if hasattr(socket, option):  # Linux; elsewhere the kernel's defaults stay
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+        return sock
+
+    return make
 
 
 def trace_headers(scope: Scope) -> tuple[str, dict[str, str]]:

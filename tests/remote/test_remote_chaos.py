@@ -10,9 +10,10 @@ load through the gateway while faults are injected one after the other:
     (``NodeBack``) and the replica left on it is stopped, so the deployment runs exactly its replicas.
 
 After each fault the deployment converges back: both replicas ready, on distinct live hosts, one active
-unit per replica across the fleet. Requests: each request that did not get 200 overlaps a fault window
-[fault injected, deployment converged again]. (Stricter, "only requests in flight at the fault", does
-not hold yet: see docs/controller.md, Failure tests.)
+unit per replica across the fleet. Requests: no request is lost that had not started when a fault hit;
+only one in flight at the instant of a fault may fail (none did in the runs recorded in
+docs/controller.md: the gateway retries a connection failure on another replica, and its upstream sockets
+give up on a silent host after ``dead_peer_timeout_s``).
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def host_of(hosts: list[TestHost], rec: ReplicaRecord) -> TestHost:
     return next(h for h in hosts if h.name == rec.node)
 
 
-def test_faults_on_container_hosts_converge_and_requests_fail_only_during_a_fault(
+def test_faults_on_container_hosts_converge_and_only_requests_in_flight_at_a_fault_may_fail(
     env: LlmctlEnv, chaos_hosts: list[TestHost], tmp_path: Path
 ) -> None:
     env.llmctl("deploy", "sarv-tiny", "--name", "web", "--engine", "sim", "--replicas", "2", check=True)
@@ -218,12 +219,14 @@ def test_faults_on_container_hosts_converge_and_requests_fail_only_during_a_faul
     finally:
         stop_controller(controller)
 
-    def in_window(started: float, ended: float) -> bool:
-        return any(started <= w_end and ended >= w_start for _, w_start, w_end in windows)
+    def in_flight_at_a_fault(started: float, ended: float) -> bool:
+        return any(started <= w_start <= ended for _, w_start, _ in windows)
 
     t0 = windows[0][1]
-    lost = [(round(s - t0, 1), o) for s, e, o in load.results if o != "200" and not in_window(s, e)]
-    assert not lost, f"requests failed outside the fault windows: {lost}"
+    lost = [
+        (round(s - t0, 1), o) for s, e, o in load.results if o != "200" and not in_flight_at_a_fault(s, e)
+    ]
+    assert not lost, f"requests that started after a fault failed (s after the first fault, outcome): {lost}"
     failed = [(round(s - t0, 1), o) for s, _, o in load.results if o != "200"]
     spans = [(name, round(end - begin, 1)) for name, begin, end in windows]
     print(f"{len(load.results)} requests; not 200: {failed}; fault windows (s): {spans}")
