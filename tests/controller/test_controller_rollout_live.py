@@ -69,6 +69,12 @@ class ReadyWatch:
         self._thread.join(10)
         return self.low
 
+    def __enter__(self) -> ReadyWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()  # also when the rollout fails: the thread must not outlive the test's store
+
 
 def reconciler(
     d: Deployer, gw: RunningGateway, client: httpx.AsyncClient, policy: RolloutPolicy
@@ -137,10 +143,12 @@ def test_a_healthy_canary_takes_its_share_then_is_promoted_to_100_percent(stack)
     assert got["canary:200"] + got["stable:200"] == 200, got
     assert got["canary:200"] == pytest.approx(50, abs=6), got  # 25 % ± 3 points
 
-    watch = ReadyWatch(d)
-    policy = RolloutPolicy(window_s=1.0, min_requests=5)
-    asyncio.run(drive(c, d, gw, policy, lambda: status(d) is RolloutStatus.SUCCEEDED, restart_at=3))
-    low = watch.stop()
+    # The window is wall time while the passes are paced by requests: 5 s holds the 5 canary requests a
+    # step needs even when a loaded machine sends a pass's requests slowly.
+    policy = RolloutPolicy(window_s=5.0, min_requests=5)
+    with ReadyWatch(d) as watch:
+        asyncio.run(drive(c, d, gw, policy, lambda: status(d) is RolloutStatus.SUCCEEDED, restart_at=3))
+    low = watch.low
 
     assert low >= 2, "never fewer ready replicas than the deployment's count"
     record = d.store.get_deployment("web")
@@ -162,10 +170,10 @@ def test_a_canary_with_an_error_rate_is_rolled_back_leaving_exactly_the_old_repl
     canary = stable.model_copy(update={"engine_args": {"failure_rate": 0.7}})
     # At 10 % the canary runs beside both stable replicas, so a rollback must leave those very processes.
     rollout = start_rollout(d, "web", canary, steps=[10, 100], timeout=120)
-    watch = ReadyWatch(d)
     policy = RolloutPolicy(window_s=30.0, min_requests=5, min_errors=2)
-    asyncio.run(drive(c, d, gw, policy, lambda: status(d) is RolloutStatus.ROLLED_BACK))
-    low = watch.stop()
+    with ReadyWatch(d) as watch:
+        asyncio.run(drive(c, d, gw, policy, lambda: status(d) is RolloutStatus.ROLLED_BACK))
+    low = watch.low
 
     assert low >= 2
     after = {(r.id, r.handle["pid"], r.version) for r in d.store.list_replicas("web")}

@@ -30,7 +30,8 @@ def remote_hosts(testhost_factory: Callable[..., list[TestHost]]) -> list[TestHo
         # reach the interpreter mounted below it. Real nodes run Sarv's venv from /opt/sarv.
         host.exec("chmod 0711 /root")
         host.set_fake_gpus(_QUERY.format(uuid=f"0000000{i}-aaaa-bbbb-cccc-000000000000"), _TOPO)
-    return hosts
+    # In the order the planner and the store list nodes (by name): remote-10 comes before remote-9.
+    return sorted(hosts, key=lambda h: h.name)
 
 
 @pytest.fixture
