@@ -477,8 +477,6 @@ class Deployer:
     ) -> DeployResult:
         """``llmctl deploy``/``apply`` of a running deployment that changes only :data:`IN_PLACE_FIELDS`:
         the bounds and scale-to-zero settings are written, then the replica count is scaled to."""
-        from controlplane.controller.events import record_event
-
         settings = previous.spec.model_copy(
             update={k: getattr(spec, k) for k in IN_PLACE_FIELDS - {"replicas"}}
         )
@@ -487,8 +485,7 @@ class Deployer:
         before, after = previous.spec.model_dump(), settings.model_dump()
         changed = ", ".join(f"{k} {before[k]} -> {after[k]}" for k in sorted(after) if before[k] != after[k])
         self.store.put_deployment(previous.model_copy(update={"spec": settings, "updated_at": self.clock()}))
-        record_event(self.store, "Updated", f"{changed} (in place)", object=f"deployment/{spec.name}",
-                     deployment=spec.name, clock=self.clock)  # fmt: skip
+        record_event(self.store, "Updated", f"{changed} (in place)", deployment=spec.name, clock=self.clock)
         if spec.replicas != previous.spec.replicas:
             result = self._scale_from_deploy(spec, wait=wait, timeout=timeout)
             return result.model_copy(update={"changed": True, "notes": [f"updated {changed}", *result.notes]})

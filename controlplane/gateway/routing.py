@@ -72,8 +72,6 @@ class Router:
         self._by_model: dict[str, list[ReplicaView]] = {}
         self._index: dict[int, set[str]] = {}
         self._rr: dict[str, int] = {}
-        self._canaries: dict[str, float] = {}
-        """Canary version → its share of its model's traffic (0..1), from the rollouts in progress."""
         self._splits: dict[str, tuple[str, float]] = {}
         """Model → (canary version, share) for the models whose pool holds a canary."""
         self._split_turn: dict[str, int] = {}
@@ -123,11 +121,10 @@ class Router:
             for adapter in view.adapters:
                 by_model.setdefault(adapter, []).append(view)
         self._by_model = by_model
-        self._canaries = dict(canaries or {})
         self._splits = {}
         for model, pool in by_model.items():
             versions = {v.version for v in pool}
-            for version, share in self._canaries.items():
+            for version, share in (canaries or {}).items():
                 if version in versions:
                     self._splits[model] = (version, max(0.0, min(1.0, share)))
         return new
