@@ -1,0 +1,271 @@
+"""The roles that need a real kernel, on a QEMU virtual machine: ``nvme_raid`` and ``net_tuning``.
+
+One VM (tests/fixtures/vms.py, image from scripts/testbed-vm-image) is shared by both scenarios, because
+software emulation is slow. It carries five emulated NVMe drives: two blank ones for the RAID-0 array, one
+with an ext4 filesystem, one with an MBR partition table and one that gets a foreign RAID member signature.
+The tests run in order on that VM:
+
+1. converge both roles with ansible-playbook over SSH: a real md RAID-0 array, XFS mounted noatime by UUID,
+   mdadm.conf and the initramfs updated; bbr with the fq qdisc and ECN in the running kernel, buffers,
+   backlog and somaxconn in /proc/sys;
+2. a second run changes nothing;
+3. a reboot (with the kernel and initramfs in the guest's /boot) brings back the array, the mount, the
+   congestion control and every sysctl;
+4. drives carrying a filesystem, a partition table or a RAID signature are refused and left intact, and with
+   ``nvme_raid_force`` a single drive is wiped and mounted without RAID.
+
+Molecule is not used here: its create/converge/idempotence/verify/destroy sequence is per scenario, while
+these two roles share one booted VM and a reboot with the guest's own initramfs between converge and verify.
+ansible-playbook is run directly against the VM's forwarded SSH port instead.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fixtures.ansible import ansible_env, tail, venv_tool
+from fixtures.common import REPO, need_binary
+from fixtures.vms import VM, Drive, inventory, vm_pool
+
+pytestmark = [pytest.mark.molecule, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+MOUNT = "/var/lib/sarv/models"
+RAID = [Drive("raid0"), Drive("raid1")]
+
+
+def _ext4(path: Path) -> None:
+    subprocess.run([need_binary("mkfs.ext4"), "-q", "-F", "-L", "data", str(path)], check=True, timeout=60)
+
+
+def _mbr(path: Path) -> None:
+    """An MBR with one Linux partition entry and the boot signature (blkid: PTTYPE=dos)."""
+    mbr = bytearray(512)
+    mbr[446:462] = bytes([0, 0, 0, 0, 0x83, 0, 0, 0]) + struct.pack("<II", 2048, 4096)
+    mbr[510:512] = b"\x55\xaa"
+    with path.open("r+b") as f:
+        f.write(mbr)
+
+
+EXT4 = Drive("ext4", 320, _ext4)
+MBR = Drive("mbr", 64, _mbr)
+MDSIG = Drive("mdsig", 64)
+
+# Written and applied by net_tuning (its defaults); /proc/sys path -> value.
+SYSCTLS = {
+    "net/ipv4/tcp_congestion_control": "bbr",
+    "net/core/default_qdisc": "fq",
+    "net/ipv4/tcp_ecn": "1",
+    "net/core/rmem_max": "268435456",
+    "net/core/wmem_max": "268435456",
+    "net/ipv4/tcp_rmem": "4096 87380 268435456",
+    "net/ipv4/tcp_wmem": "4096 65536 268435456",
+    "net/core/somaxconn": "65535",
+    "net/ipv4/tcp_max_syn_backlog": "65535",
+    "net/core/netdev_max_backlog": "250000",
+}
+
+CONVERGE = f"""---
+- name: Model cache and network tuning on a VM
+  hosts: vms
+  gather_facts: true
+  vars:
+    nvme_raid_devices: {[d.guest_path for d in RAID]}
+    nvme_raid_mount_owner: nobody
+    nvme_raid_mount_mode: "0750"
+  roles:
+    - role: nvme_raid
+    - role: net_tuning
+"""
+
+TIMES: dict[str, float] = {}
+
+
+class Fleet:
+    def __init__(self, vm: VM, workdir: Path) -> None:
+        self.vm = vm
+        self.workdir = workdir
+        self.inventory = workdir / "inventory.ini"
+        self.inventory.write_text(inventory([vm]))
+
+    def playbook(self, name: str, text: str) -> subprocess.CompletedProcess[str]:
+        path = self.workdir / f"{name}.yml"
+        path.write_text(text)
+        begun = time.monotonic()
+        out = subprocess.run(
+            [venv_tool("ansible-playbook"), "-i", str(self.inventory), str(path)],
+            cwd=REPO,
+            env=ansible_env(ANSIBLE_ROLES_PATH=str(REPO / "roles")),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=900,
+            check=False,
+        )
+        TIMES[name] = time.monotonic() - begun
+        return out
+
+
+@pytest.fixture(scope="module")
+def fleet(ssh_keypair: tuple[Path, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    workdir = tmp_path_factory.mktemp("vms")
+    with vm_pool(workdir, ssh_keypair[0]) as pool:
+        begun = time.monotonic()
+        (vm,) = pool.boot(drives=[*RAID, EXT4, MBR, MDSIG])
+        TIMES["boot"] = time.monotonic() - begun
+        yield Fleet(vm, workdir)
+    print(f"VM times (s, accel {pool.accel}): { ({k: round(v) for k, v in TIMES.items()}) }")
+
+
+def _recap_changed(out: str, host: str) -> int:
+    m = re.search(rf"^{re.escape(host)}\s*:\s*ok=\d+\s+changed=(\d+)\s+unreachable=0\s+failed=0", out, re.M)
+    assert m, tail(out, 120)
+    return int(m.group(1))
+
+
+def _sysctls(vm: VM) -> dict[str, str]:
+    paths = " ".join(f"/proc/sys/{p}" for p in SYSCTLS)
+    lines = vm.ssh(f"for f in {paths}; do echo $(cat $f); done").stdout.splitlines()
+    return dict(zip(SYSCTLS, lines, strict=True))
+
+
+def _check_model_cache_and_sysctls(vm: VM) -> None:
+    detail = vm.ssh("mdadm --detail /dev/md/sarv-models").stdout
+    assert re.search(r"Raid Level : raid0", detail), detail
+    assert re.search(r"Raid Devices : 2", detail), detail
+    members = vm.ssh("mdadm --detail --export /dev/md/sarv-models").stdout
+    for d in RAID:
+        member = vm.ssh(f"readlink -f {d.guest_path}").stdout.strip()
+        assert member in members, members
+    md = vm.ssh("readlink -f /dev/md/sarv-models").stdout.strip()
+    source, fstype, options = vm.ssh(f"findmnt -n -o SOURCE,FSTYPE,OPTIONS {MOUNT}").stdout.split()
+    assert (vm.ssh(f"readlink -f {source}").stdout.strip(), fstype) == (md, "xfs")
+    assert "noatime" in options.split(",")
+    assert vm.ssh(f"stat -c '%U %a' {MOUNT}").stdout.split() == ["nobody", "750"]
+    uuid = vm.ssh("blkid -s UUID -o value /dev/md/sarv-models").stdout.strip()
+    fstab = [line.split() for line in vm.ssh("cat /etc/fstab").stdout.splitlines() if MOUNT in line]
+    assert fstab == [[f"UUID={uuid}", MOUNT, "xfs", "noatime,nofail", "0", "0"]]
+    brief = vm.ssh("mdadm --detail --brief /dev/md/sarv-models").stdout.strip()
+    conf = [
+        line for line in vm.ssh("cat /etc/mdadm/mdadm.conf").stdout.splitlines() if line.startswith("ARRAY")
+    ]
+    assert conf == [brief]
+    assert vm.ssh("blockdev --getra /dev/md/sarv-models").stdout.strip() == "16384"
+    assert _sysctls(vm) == SYSCTLS
+    assert "tcp_bbr" in vm.ssh("lsmod").stdout.split()
+
+
+def test_fresh_vm_has_kernel_defaults(fleet: Fleet) -> None:
+    """The values the roles set are not there before: what the later checks see is the roles' work."""
+    vm = fleet.vm
+    live = _sysctls(vm)
+    assert live["net/ipv4/tcp_congestion_control"] == "cubic"
+    assert live["net/core/somaxconn"] != SYSCTLS["net/core/somaxconn"]
+    assert vm.ssh("test -e /dev/md/sarv-models", check=False).returncode != 0
+    assert vm.ssh("grep -c . /proc/mdstat", check=False).returncode == 0  # the md driver is there
+
+
+def test_converge_builds_raid0_and_tunes_the_kernel(fleet: Fleet) -> None:
+    out = fleet.playbook("converge", CONVERGE)
+    assert out.returncode == 0, tail(out.stdout, 120)
+    assert "RUNNING HANDLER [nvme_raid : Update the initramfs (Debian family)]" in out.stdout
+    vm = fleet.vm
+    _check_model_cache_and_sysctls(vm)
+    # The initramfs the guest boots next carries the array, so it is assembled under its name early.
+    brief = vm.ssh("mdadm --detail --brief /dev/md/sarv-models").stdout.strip()
+    inner = vm.ssh(
+        "rm -rf /tmp/initrd && unmkinitramfs /initrd.img /tmp/initrd && "
+        "find /tmp/initrd -path '*etc/mdadm/mdadm.conf' -exec grep -h '^ARRAY' {} +",
+        timeout=300,
+    ).stdout
+    assert brief in inner.splitlines(), inner
+
+
+def test_second_run_changes_nothing(fleet: Fleet) -> None:
+    out = fleet.playbook("idempotence", CONVERGE)
+    assert out.returncode == 0, tail(out.stdout, 120)
+    assert _recap_changed(out.stdout, fleet.vm.name) == 0, tail(out.stdout, 120)
+
+
+def test_array_mount_and_sysctls_survive_a_reboot(fleet: Fleet) -> None:
+    vm = fleet.vm
+    before = vm.ssh("cat /proc/sys/kernel/random/boot_id").stdout
+    TIMES["reboot"] = vm.reboot()
+    assert vm.ssh("cat /proc/sys/kernel/random/boot_id").stdout != before
+    _check_model_cache_and_sysctls(vm)
+
+
+def _refusal_play(device: str, expect: str) -> str:
+    return f"""
+- name: Refuse {device}
+  hosts: vms
+  gather_facts: false
+  tasks:
+    - name: Expect a refusal
+      block:
+        - name: Run nvme_raid on the drive
+          ansible.builtin.include_role:
+            name: nvme_raid
+          vars:
+            nvme_raid_devices: ["{device}"]
+            nvme_raid_name: sarv-single
+            nvme_raid_mount_path: /srv/single
+        - name: The role accepted the drive
+          ansible.builtin.fail:
+            msg: nvme_raid accepted {device}
+      rescue:
+        - name: Check that the refusal names the drive and what it carries
+          ansible.builtin.assert:
+            that:
+              - ansible_failed_result.msg is search({expect!r})
+            fail_msg: "unexpected: {{{{ ansible_failed_result.msg | default(ansible_failed_result) }}}}"
+"""
+
+
+def test_drives_with_data_are_refused_unless_forced(fleet: Fleet) -> None:
+    vm = fleet.vm
+    vm.ssh(
+        f"mdadm --create /dev/md/other --run --force --level=1 --raid-devices=1 --metadata=1.2 --name=other "
+        f"{MDSIG.guest_path} && mdadm --stop /dev/md/other"
+    )
+    cases = [
+        (EXT4, re.escape(f"refusing to touch {EXT4.guest_path} (ext4, label data)")),
+        (MBR, re.escape(f"refusing to touch {MBR.guest_path} (dos)")),
+        (
+            MDSIG,
+            re.escape(f"refusing to touch {MDSIG.guest_path} (linux_raid_member, label ") + r"\S*other\)",
+        ),
+    ]
+    plays = "---\n" + "".join(_refusal_play(d.guest_path, e) for d, e in cases)
+    plays += f"""
+- name: Force a single drive
+  hosts: vms
+  gather_facts: true
+  roles:
+    - role: nvme_raid
+      vars:
+        nvme_raid_devices: ["{EXT4.guest_path}"]
+        nvme_raid_force: true
+        nvme_raid_name: sarv-single
+        nvme_raid_mount_path: /srv/single
+"""
+    signatures = {d.serial: vm.ssh(f"blkid -p -o export {d.guest_path}").stdout for d, _ in cases}
+    out = fleet.playbook("refusals", plays)
+    assert out.returncode == 0, tail(out.stdout, 120)
+    # The refused drives are untouched (the forced one is checked below).
+    for d in (MBR, MDSIG):
+        assert vm.ssh(f"blkid -p -o export {d.guest_path}").stdout == signatures[d.serial]
+    probe = vm.ssh(f"blkid -p -o export {EXT4.guest_path}").stdout.splitlines()
+    assert "TYPE=xfs" in probe
+    assert "LABEL=sarv-single" in probe
+    assert vm.ssh("findmnt -n -o FSTYPE /srv/single").stdout.strip() == "xfs"
+    single = vm.ssh(f"readlink -f {EXT4.guest_path}").stdout.strip()
+    assert single not in vm.ssh("cat /proc/mdstat").stdout
+    # The RAID-0 model cache is still there.
+    assert vm.ssh(f"findmnt -n -o FSTYPE {MOUNT}").stdout.strip() == "xfs"
