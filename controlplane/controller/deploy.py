@@ -554,6 +554,8 @@ class Deployer:
         if engine is None:
             raise LaunchError(f"engine {spec.engine.value} is not available in this build")
         weights: dict[str, str] = {}
+        if self._lands_weights(spec, model, engine):
+            weights = self._spread_weights(spec, model, plan, todo, prepared)
         for index in todo:
             rplan: ReplicaPlan = plan.replicas[index]
             shard0 = min(rplan.shards, key=lambda s: s.pp_rank)
@@ -627,6 +629,73 @@ class Deployer:
             rec.handle = launcher.start(replica_id, launch)
             launched.append(_Launched(rec, launcher))
             self.store.put_replica(rec)
+
+    def _spread_weights(
+        self,
+        spec: DeploymentSpec,
+        model: ModelSpec,
+        plan: Plan,
+        todo: list[int],
+        prepared: dict[int, _Prepared],
+    ) -> dict[str, str]:
+        """Weights that two or more remote nodes need: verified here once, then spread node to node
+        (:func:`~controlplane.weights.distribute.distribute`: one copy leaves this machine, every node
+        holding a verified copy serves the next), not one copy from here per node. Returns the verified
+        path for each replica's pp-rank-0 node whose nodes the spread covered; the other replicas take the
+        per-node path (``launcher.ensure_weights``): one node, this host, and a node reached as a user
+        other than root (the distribution works as root, see :meth:`SshLauncher.weights_peer`)."""
+        from controlplane.launchers.ray import RayLauncher
+        from controlplane.launchers.ssh import SshLauncher
+        from controlplane.weights import ensure_weights
+        from controlplane.weights.distribute import Peer, distribute
+
+        # (source, node cache) → the replicas' pp-rank-0 nodes and every node that loads the weights
+        # (each pipeline stage of a Ray replica loads its layers from its own node).
+        groups: dict[tuple[str, str], list[tuple[str, list[SshLauncher]]]] = {}
+        for index in todo:
+            rplan = plan.replicas[index]
+            launcher = self._replica_launcher(rplan.shards)
+            nodes = list(launcher.stages) if isinstance(launcher, RayLauncher) else [launcher]
+            ssh = [n for n in nodes if isinstance(n, SshLauncher)]
+            if not ssh or len(ssh) != len(nodes):
+                continue
+            source = prepared[index].source or self._model_source(spec, model, rplan.quantization)
+            shard0 = min(rplan.shards, key=lambda s: s.pp_rank).node
+            groups.setdefault((source, str(ssh[0].remote_cache)), []).append((shard0, ssh))
+        landed: dict[str, str] = {}
+        for (source, _cache), replicas in groups.items():
+            launchers = {n.node.name: n for _, nodes in replicas for n in nodes}
+            if len(launchers) < 2:
+                continue
+            peers: dict[str, Peer] = {}
+            for name, node in launchers.items():
+                peer = node.weights_peer()
+                if peer is not None:
+                    peers[name] = peer
+            if len(peers) < 2:
+                continue
+            first = launchers[next(iter(peers))]
+            self._say("weights", f"weights: verifying {model.name} here")
+            local = ensure_weights(
+                source,
+                model.name,
+                first.local_cache,
+                policy=_policy(spec),
+                progress=lambda text: self._say("weights", text),
+            )
+            dest = first.remote_cache / model.name / local.name  # where SshLauncher.ensure_weights looks
+            self._say("weights", f"weights: {model.name} verified here; spreading to {len(peers)} nodes")
+
+            def by_node(text: str, names: Collection[str] = tuple(peers)) -> None:
+                # distribute() says "weights: NODE: …": one updating line per node.
+                node = next((n for n in names if text.startswith(f"weights: {n}: ")), None)
+                self._say(f"weights {node}" if node else "weights", text)
+
+            distribute(local, dest, list(peers.values()), progress=by_node)
+            for shard0, nodes in replicas:
+                if all(n.node.name in peers for n in nodes):
+                    landed[shard0] = str(dest)
+        return landed
 
     def _land_sources(self, spec: DeploymentSpec, launcher: Launcher) -> DeploymentSpec:
         """Copy the adapters and the draft model to the replica's nodes, verified, like the weights; the

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 from pathlib import Path
+from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.supervisors.multiprocess import Multiprocess
 
 from controlplane.errors import ConfigError
 from controlplane.gateway.admin import AdminListener, read_token
@@ -201,25 +205,53 @@ def serve(
     logger.info(
         "gateway on %s://%s:%d%s (%d worker%s)", scheme, host, port, mtls, workers, "s" if workers > 1 else ""
     )
-    uvicorn.run(
-        "controlplane.gateway.server:create_app",
-        factory=True,
-        host=host,
-        port=port,
-        workers=workers,
-        loop="uvloop",
-        http=GatewayHttpProtocol,
-        lifespan="on",
-        access_log=False,
-        server_header=False,
+    # One set of options for uvicorn.run and for the Config of the TLS supervisor below.
+    options: dict[str, Any] = {
+        "factory": True,
+        "host": host,
+        "port": port,
+        "workers": workers,
+        "loop": "uvloop",
+        "http": GatewayHttpProtocol,
+        "lifespan": "on",
+        "access_log": False,
+        "server_header": False,
         # The client address is not used (no access log, keys not addresses), so X-Forwarded-* parsing
         # would be per-request work for nothing.
-        proxy_headers=False,
-        timeout_keep_alive=30,
+        "proxy_headers": False,
+        "timeout_keep_alive": 30,
         # Bounds memory under a connection flood: beyond this uvicorn answers 503 itself.
-        limit_concurrency=8192,
-        backlog=4096,
-        log_level="info",
+        "limit_concurrency": 8192,
+        "backlog": 4096,
+        "log_level": "info",
         # Rebuilt in each worker; reloaded in place on SIGHUP (tls.py).
-        ssl_context_factory=TlsContextFactory(tls) if tls else None,
-    )
+        "ssl_context_factory": TlsContextFactory(tls) if tls else None,
+    }
+    if workers > 1 and tls is not None:
+        # What uvicorn.run does for several workers, with a supervisor that passes SIGHUP on.
+        config = uvicorn.Config(_APP, **options)
+        _TlsReloadSupervisor(config, sockets=[config.bind_socket()]).run()
+        return
+    uvicorn.run(_APP, **options)
+
+
+_APP = "controlplane.gateway.server:create_app"
+
+
+class _TlsReloadSupervisor(Multiprocess):
+    """uvicorn's supervisor of ``--workers`` processes, passing SIGHUP on to every worker.
+
+    uvicorn itself answers SIGHUP by replacing the workers one by one: a replaced worker closes its idle
+    keep-alive connections, and a replacement not ready within uvicorn's health-check timeout (5 s; the
+    gateway's start-up takes longer on a busy host) aborts the whole restart, leaving every worker on the
+    old certificate. Each worker reloads its TLS context in place on SIGHUP instead (tls.py), as a single
+    gateway process does. A worker signalled while it is still starting, before its handler is installed,
+    dies of the signal; the supervisor starts it again, and the new one loads the new files.
+    """
+
+    def handle_hup(self) -> None:
+        logger.info("SIGHUP: reloading the TLS certificate in %d workers", len(self.processes))
+        for process in self.processes:
+            if process.pid is not None and process.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGHUP)

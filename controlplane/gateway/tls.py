@@ -87,8 +87,8 @@ def _why(exc: ssl.SSLError | OSError) -> str:
 class TlsContextFactory:
     """uvicorn's ``ssl_context_factory``: builds the context in each worker and reloads it on SIGHUP.
 
-    Picklable (uvicorn hands it to worker processes). With ``--workers`` > 1 uvicorn's supervisor answers
-    SIGHUP itself by replacing the workers one by one, and the new ones load the files afresh.
+    Picklable (uvicorn hands it to worker processes). With ``--workers`` > 1 the gateway's supervisor
+    (``server._TlsReloadSupervisor``) passes SIGHUP on to every worker, which reloads here in place.
     """
 
     def __init__(self, files: TlsFiles) -> None:

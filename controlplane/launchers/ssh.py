@@ -17,7 +17,8 @@ from controlplane.errors import DiscoveryError, LaunchError
 from controlplane.launchers.base import ProcessState, ReplicaProcess
 from controlplane.launchers.units import UNIT_DIR, UnitSpec, env_file_path, render_unit, unit_name
 from controlplane.spec import Node
-from controlplane.weights import MANIFEST_NAME, WeightsPolicy, ensure_weights
+from controlplane.weights import MANIFEST_NAME, WeightsPolicy, ensure_weights, sha256_file
+from controlplane.weights.distribute import Peer, verify_command
 
 if TYPE_CHECKING:
     from fabric import Connection
@@ -212,6 +213,27 @@ class SshLauncher:
             )
         return match.group(1)
 
+    def weights_peer(self) -> Peer | None:
+        """This node as a holder of weights for :func:`~controlplane.weights.distribute.distribute`, or
+        None when it is reached as a user other than root: the distribution works as root (it authorises
+        its key in root's ``authorized_keys`` and nodes copy as root), so such a node gets its copy from
+        here (:meth:`ensure_weights`).
+
+        Peers reach it on its private address and on the port its sshd listens on (``sshd -T``), not
+        ``node.ssh_port``: that is where this machine reaches it, possibly a forwarded port (a tunnel,
+        NAT, a container host)."""
+        if self._conn.user != "root":
+            return None
+        res = self.run("sshd -T 2>/dev/null | sed -n 's/^port //p' | head -n 1", check=False)
+        port = res.stdout.strip()
+        return Peer(
+            name=self.node.name,
+            conn=self._conn,
+            private_address=self.host,
+            ssh_port=int(port) if port.isdigit() else self.node.ssh_port,
+            ssh_user="root",
+        )
+
     def real_python(self) -> str:
         """The interpreter's resolved path on the node (a venv's python links to its base Python)."""
         if self._real_python is None:
@@ -260,7 +282,8 @@ class SshLauncher:
         local = ensure_weights(source, model, self.local_cache, policy=policy, progress=progress)
         dest = self.remote_cache / model / local.name  # the manifest digest: same bytes, same path
         qdest = shlex.quote(str(dest))
-        if self.run(f"cd {qdest} && sha256sum --check --quiet {MANIFEST_NAME}", check=False).exit_code == 0:
+        manifest_sha256 = sha256_file(local / MANIFEST_NAME)
+        if self.run(verify_command(dest, manifest_sha256), check=False).exit_code == 0:
             return Path(str(dest))
         if progress:
             progress(f"weights: copying {model} to {self.node.name}")
@@ -274,9 +297,7 @@ class SshLauncher:
                     self._conn.put(str(path), str(target))
                 except OSError as exc:
                     raise LaunchError(f"node {self.node.name}: cannot copy {rel}: {exc}") from None
-            check = self.run(
-                f"cd {shlex.quote(str(work))} && sha256sum --check --quiet {MANIFEST_NAME}", check=False
-            )
+            check = self.run(verify_command(work, manifest_sha256), check=False)
             if check.exit_code != 0:
                 raise LaunchError(
                     f"node {self.node.name}: weights of {model} failed their manifest: {check.said}"

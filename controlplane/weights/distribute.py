@@ -3,10 +3,15 @@
 The first node receives the files from this machine once; then, round by round, every node that holds a
 verified copy serves one node that does not, over SSH on the private network (a tree: 1 → 2 → 4 …
 holders). Each target copies into ``.<digest>.partial`` next to the final directory, appending to any
-partial file left by an interrupted copy, checks everything against the manifest (``sha256sum --check``),
+partial file left by an interrupted copy, checks everything against the manifest sent from here
+(``sha256sum --check``),
 re-fetches whole any file that fails, and only then renames the directory into place: an engine never
 sees a partial or corrupted copy. Node-to-node SSH uses a key pair made for this one distribution,
 authorised on the nodes for its duration only.
+
+Every peer works as root: the key goes into root's ``authorized_keys`` and nodes copy from each other as
+root. Callers give a node reached as another user its copy some other way (``llmctl deploy`` copies to it
+from here, like a single node).
 """
 
 from __future__ import annotations
@@ -22,12 +27,12 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from controlplane.errors import WeightsError
-from controlplane.weights import MANIFEST_NAME, read_manifest, verify_dir
+from controlplane.weights import MANIFEST_NAME, read_manifest, sha256_file, verify_dir
 
 if TYPE_CHECKING:
     from fabric import Connection
 
-__all__ = ["Peer", "PeerCopy", "distribute"]
+__all__ = ["Peer", "PeerCopy", "distribute", "verify_command"]
 
 Progress = Callable[[str], None]
 _TIMEOUT = 6 * 3600
@@ -56,17 +61,53 @@ class PeerCopy:
     """Files that failed the manifest after copying (a corrupted partial) and were fetched again."""
 
 
-def _run(peer: Peer, command: str, *, check: bool = True) -> tuple[int, str]:
-    result = peer.conn.run(command, hide=True, warn=True, in_stream=False, timeout=_TIMEOUT)
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "no output"
+
+
+def _run(peer: Peer, command: str, *, check: bool = True, what: str | None = None) -> tuple[int, str]:
+    """Run ``command`` on ``peer``; a failure (``check``) or a lost connection is a one-line
+    :class:`WeightsError` naming the node and ``what`` was being done (default: the command's start)."""
+    from invoke.exceptions import CommandTimedOut
+    from paramiko import SSHException
+
+    doing = what or f"`{command.splitlines()[0][:80]}`"
+    try:
+        result = peer.conn.run(command, hide=True, warn=True, in_stream=False, timeout=_TIMEOUT)
+    except (CommandTimedOut, SSHException, OSError, EOFError) as exc:
+        why = _last_line(str(exc)) if str(exc) else type(exc).__name__
+        raise WeightsError(
+            f"node {peer.name}: {doing} failed: SSH: {why}",
+            hint=f"check that {peer.name} is up and reachable; nothing unverified was published",
+        ) from None
     out = f"{result.stdout}{result.stderr}".strip()
     if check and result.return_code != 0:
-        raise WeightsError(f"node {peer.name}: `{command[:80]}` failed: {out[-300:]}")
+        raise WeightsError(f"node {peer.name}: {doing} failed: {_last_line(out)}")
     return int(result.return_code), out
 
 
-def _verified(peer: Peer, dest: PurePosixPath) -> bool:
+def _put(peer: Peer, local: Path, remote: PurePosixPath | str, what: str) -> None:
+    from paramiko import SSHException
+
+    try:
+        peer.conn.put(str(local), str(remote))
+    except (SSHException, OSError, EOFError) as exc:
+        raise WeightsError(f"node {peer.name}: cannot copy {what}: {exc or type(exc).__name__}") from None
+
+
+def verify_command(dest: PurePosixPath, manifest_sha256: str) -> str:
+    """Shell that succeeds only when ``dest`` holds this manifest (by its hash) and every file matches it:
+    a copy is checked against the manifest verified here, never only against one that came with it."""
     q = shlex.quote(str(dest))
-    return _run(peer, f"cd {q} && sha256sum --check --quiet {MANIFEST_NAME}", check=False)[0] == 0
+    return (
+        f"cd {q} && echo '{manifest_sha256}  {MANIFEST_NAME}' | sha256sum --check --status - "
+        f"&& sha256sum --check --quiet {MANIFEST_NAME}"
+    )
+
+
+def _verified(peer: Peer, dest: PurePosixPath, manifest_sha256: str) -> bool:
+    return _run(peer, verify_command(dest, manifest_sha256), check=False)[0] == 0
 
 
 def _failed_files(peer: Peer, work: PurePosixPath) -> list[str]:
@@ -101,10 +142,7 @@ def _seed(peer: Peer, local: Path, files: dict[str, int], dest: PurePosixPath) -
     for name in sorted(files):
         target = work / name
         _run(peer, f"mkdir -p {shlex.quote(str(target.parent))}")
-        try:
-            peer.conn.put(str(local / name), str(target))
-        except OSError as exc:
-            raise WeightsError(f"node {peer.name}: cannot copy {name}: {exc}") from None
+        _put(peer, local / name, target, name)
         copied += files[name]
     return copied
 
@@ -146,14 +184,19 @@ def _pull_script(
 
 
 def _pull(
-    target: Peer, source: Peer, files: dict[str, int], dest: PurePosixPath, key: str
+    target: Peer, source: Peer, *, local: Path, files: dict[str, int], dest: PurePosixPath, key: str
 ) -> tuple[int, list[str]]:
     work = _partial(dest)
-    copied = 0
+    # The manifest the copy is checked against goes from here, not from the source node: a node does not
+    # vouch for the bytes it serves, and a corrupted manifest could not name the files to fetch again.
+    _run(target, f"mkdir -p {shlex.quote(str(work))}")
+    _put(target, local / MANIFEST_NAME, work / MANIFEST_NAME, MANIFEST_NAME)
+    copied = files[MANIFEST_NAME]
+    data = {name: size for name, size in files.items() if name != MANIFEST_NAME}
     refetched: list[str] = []
     for attempt in range(2):
-        script = _pull_script(source, files, dest, work, key)
-        _, out = _run(target, f"sh -c {shlex.quote(script)}")
+        script = _pull_script(source, data, dest, work, key)
+        _, out = _run(target, f"sh -c {shlex.quote(script)}", what=f"copy from {source.name}")
         copied += sum(int(line.split()[1]) for line in out.splitlines() if line.startswith("copied "))
         failed = _failed_files(target, work)
         if not failed:
@@ -188,12 +231,13 @@ def distribute(
     files = {name: (local / name).stat().st_size for name in entries} | {
         MANIFEST_NAME: (local / MANIFEST_NAME).stat().st_size
     }
+    manifest_sha256 = sha256_file(local / MANIFEST_NAME)
     say = progress or (lambda _text: None)
     results: dict[str, PeerCopy] = {}
     holders: list[Peer] = []
     pending: list[Peer] = []
     for peer in peers:
-        if _verified(peer, dest):
+        if _verified(peer, dest, manifest_sha256):
             say(f"weights: {peer.name}: already holds a verified copy")
             results[peer.name] = PeerCopy(peer.name, "present", 0, [])
             holders.append(peer)
@@ -208,9 +252,11 @@ def distribute(
             raise WeightsError(f"node {seed.name}: {', '.join(failed)} failed the manifest after the copy")
         _publish(seed, _partial(dest), dest)
         results[seed.name] = PeerCopy(seed.name, "here", copied, [])
+        say(f"weights: {seed.name}: verified ({copied} bytes copied)")
         holders.append(seed)
     if pending:
         _spread(
+            local=local,
             holders=holders,
             pending=pending,
             files=files,
@@ -225,6 +271,7 @@ def distribute(
 
 def _spread(
     *,
+    local: Path,
     holders: list[Peer],
     pending: list[Peer],
     files: dict[str, int],
@@ -252,7 +299,7 @@ def _spread(
                     f"mkdir -p -m 700 /root/.ssh && echo {shlex.quote(pub)} >> /root/.ssh/authorized_keys",
                 )
             for peer in pending:
-                peer.conn.put(str(keyfile), remote_key)
+                _put(peer, keyfile, remote_key, "the distribution's SSH key")
                 _run(peer, f"chmod 600 {remote_key}")
             while pending:
                 # A tree pairs each holder with one target per round; the baseline sends all from one.
@@ -263,7 +310,9 @@ def _spread(
                 def copy(pair: tuple[Peer, Peer]) -> Peer:
                     source, target = pair
                     say(f"weights: {target.name}: copying from {source.name}")
-                    copied, refetched = _pull(target, source, files, dest, remote_key)
+                    copied, refetched = _pull(
+                        target, source, local=local, files=files, dest=dest, key=remote_key
+                    )
                     _publish(target, _partial(dest), dest)
                     results[target.name] = PeerCopy(target.name, source.name, copied, refetched)
                     say(f"weights: {target.name}: verified ({copied} bytes copied)")

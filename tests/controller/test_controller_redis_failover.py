@@ -23,10 +23,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from fixtures.common import need_binary
 from fixtures.controller import llmctl_env, start_controller, stop_controller
 from fixtures.gateway import LoadLoop, add_key, gateway_process
-from fixtures.redis import RedisCluster, start_cluster
+from fixtures.redis import RedisCluster, failed_over, kill_node, master_of, start_cluster
 from fixtures.vllm import LlmctlEnv, group_members
 
 from controlplane.spec import ReplicaRecord, ReplicaState
@@ -90,30 +89,6 @@ def pid_of(rec: ReplicaRecord) -> int | None:
     return int(pid) if pid.isdigit() else None
 
 
-def master_of_tag(cluster: RedisCluster, via: int = 0) -> int:
-    """Index in ``cluster.ports`` of the master serving the store's slot, as node ``via`` sees it."""
-    import redis
-
-    rc = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[via])
-    try:
-        return cluster.ports.index(int(rc.get_node_from_key(_TAG).port))
-    finally:
-        rc.close()
-
-
-def failed_over(cluster: RedisCluster, dead: int) -> bool:
-    """The cluster says ok and another node now serves the store's slot."""
-    alive = next(i for i in range(len(cluster.ports)) if i != dead)
-    info = subprocess.run(
-        [need_binary("redis-cli"), "-p", str(cluster.ports[alive]), "cluster", "info"],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=5,
-    ).stdout
-    return "cluster_state:ok" in info and master_of_tag(cluster, via=alive) != dead
-
-
 def test_a_killed_master_fails_over_and_the_controller_gateway_and_state_carry_on(
     env: LlmctlEnv, cluster: RedisCluster, tmp_path: Path
 ) -> None:
@@ -137,12 +112,11 @@ def test_a_killed_master_fails_over_and_the_controller_gateway_and_state_carry_o
             with load.running():
                 until("a first answer", lambda: load.ok_since(0.0), logs, limit=30)
                 until("the controller leading", lambda: "holds the lease" in log.read_text(), logs, 30)
-                dead = master_of_tag(cluster)
+                dead = master_of(cluster, _TAG)
                 killed_at = time.monotonic()
-                cluster.procs[dead].send_signal(signal.SIGKILL)
-                cluster.procs[dead].wait(timeout=10)
+                kill_node(cluster, dead)
                 # Failover takes node timeout (5 s) + election; the bound leaves room on a loaded host.
-                ok_at = until("the failover", lambda: failed_over(cluster, dead), logs, limit=45)
+                ok_at = until("the failover", lambda: failed_over(cluster, _TAG, dead), logs, limit=45)
                 until("the gateway serving again", lambda: load.ok_since(ok_at), logs, limit=30)
                 # The controller acts again: a replica killed now is restarted.
                 (victim,) = replicas(env, "docs")
