@@ -36,7 +36,7 @@ from controlplane.bundle.manifest import (
 from controlplane.errors import BundleError, ConfigError
 from controlplane.weights import MANIFEST_NAME, ensure_weights, sha256_file
 
-__all__ = ["PARTS", "BundleRequest", "create_bundle", "human_size"]
+__all__ = ["PARTS", "BundleRequest", "create_bundle", "human_size", "wheel_download_argv"]
 
 PARTS = ("wheels", "debs", "images", "models", "dashboards", "terraform")
 Progress = Callable[[str], None]
@@ -99,21 +99,30 @@ def _run(argv: Sequence[str], what: str, *, cwd: Path | None = None, timeout: fl
 # --- one part each
 
 
-def _wheels(req: BundleRequest, dest: Path, say: Progress) -> dict[str, str]:
-    lock = req.lock or lock_path(req.python)
-    tag = req.python.replace(".", "")
+def wheel_download_argv(
+    python: str, lock: Path, dest: Path, find_links: Sequence[Path] = (), index_url: str | None = None
+) -> list[str]:
+    """``pip download`` of every wheel ``lock`` pins (hashes required) for CPython ``python`` on x86_64
+    manylinux into ``dest``: from ``find_links`` only (``--no-index``) when given without ``index_url``."""
+    tag = python.replace(".", "")
     argv = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check"]
     argv += ["--only-binary=:all:", "--no-deps", "--require-hashes", "-r", str(lock), "-d", str(dest)]
-    argv += ["--python-version", req.python, "--implementation", "cp", "--abi", f"cp{tag}", "--abi", "abi3"]
+    argv += ["--python-version", python, "--implementation", "cp", "--abi", f"cp{tag}", "--abi", "abi3"]
     argv += ["--abi", "none"]
     for platform in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any"):
         argv += ["--platform", platform]
-    for links in req.find_links:
+    for links in find_links:
         argv += ["--find-links", str(links)]
-    if req.index_url:
-        argv += ["--index-url", req.index_url]
-    elif req.find_links:
+    if index_url:
+        argv += ["--index-url", index_url]
+    elif find_links:
         argv.append("--no-index")
+    return argv
+
+
+def _wheels(req: BundleRequest, dest: Path, say: Progress) -> dict[str, str]:
+    lock = req.lock or lock_path(req.python)
+    argv = wheel_download_argv(req.python, lock, dest, req.find_links, req.index_url)
     say(f"wheels: pip download -r {lock} for CPython {req.python} (x86_64 manylinux)")
     _run(argv, f"download the wheels of {lock}")
     if req.sarv_wheel is not None:

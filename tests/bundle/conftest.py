@@ -1,5 +1,5 @@
 """Bundle fixtures (tests/fixtures/bundles.py)."""
 
-from fixtures.bundles import built, kit
+from fixtures.bundles import built, kit, site_built
 
-__all__ = ["built", "kit"]
+__all__ = ["built", "kit", "site_built"]

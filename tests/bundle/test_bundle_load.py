@@ -1,4 +1,5 @@
-"""`llmctl bundle load` onto three container hosts with no route out, and node-to-node weight distribution.
+"""`llmctl bundle load` onto three container hosts with no route out, node-to-node weight distribution, and
+site.yml's plays and `llmctl deploy` converged from the loaded bundle alone.
 
 The hosts lose their default route and their resolver before the load, so anything they install comes
 from the bundle: the apt repository and wheelhouse served from the first host, the image through
@@ -8,6 +9,7 @@ node's cache, spread node to node.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
@@ -16,7 +18,9 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 import yaml
+from fixtures.ansible import ansible_env, tail, venv_tool
 from fixtures.bundles import Kit, llmctl
+from fixtures.common import REPO
 from fixtures.testhosts import TestHost
 
 from controlplane.remote import FabricConnector
@@ -42,7 +46,7 @@ class Site:
 def site(
     testhost_factory: Callable[..., list[TestHost]],
     kit: Kit,
-    built: Path,
+    site_built: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Site]:
     docker = shutil.which("docker")
@@ -71,10 +75,18 @@ def site(
     subprocess.run(["docker", "rmi", kit.image], capture_output=True, check=True)
     work = root / "unpacked"
     res = llmctl(
-        "bundle", "load", str(built), "-i", str(inventory), "--allowed-signers", str(kit.allowed_signers),
-        "--work", str(work), env={"SARV_SSH_KEY_FILE": str(hosts[0].key_path)},
+        "bundle", "load", str(site_built), "-i", str(inventory),
+        "--allowed-signers", str(kit.allowed_signers), "--work", str(work),
+        env={"SARV_SSH_KEY_FILE": str(hosts[0].key_path)},
     )  # fmt: skip
     yield Site(hosts, inventory, work, res)
+
+
+def _no_way_out(hosts: list[TestHost]) -> None:
+    for host in hosts:
+        assert host.exec("ip route show default").stdout.strip() == ""
+        assert host.exec("cat /etc/resolv.conf").stdout.strip() == ""
+        assert host.exec("getent hosts deb.debian.org", check=False).returncode != 0
 
 
 def test_load_publishes_every_part_and_nothing_outside_is_reached(site: Site, kit: Kit) -> None:
@@ -82,9 +94,7 @@ def test_load_publishes_every_part_and_nothing_outside_is_reached(site: Site, ki
     node0, node1, _ = site.hosts
     url = f"http://{node0.ip}:8765"
     assert f"mirror: {url}" in site.load.stdout
-    for host in site.hosts:
-        assert host.exec("ip route show default").stdout.strip() == ""
-        assert host.exec("getent hosts deb.debian.org", check=False).returncode != 0
+    _no_way_out(site.hosts)
 
     gv = yaml.safe_load((site.inventory.parent / "group_vars/all/sarv_bundle.yml").read_text())
     assert gv["common_apt_mirror"] == f"{url}/debs"
@@ -190,3 +200,168 @@ def test_distribution_resumes_an_interrupted_copy_and_refetches_a_corrupted_one(
         # The distribution's key pair is gone again.
         assert "sarv-weights-" not in host.exec("cat /root/.ssh/authorized_keys; ls /root/.ssh").stdout
     assert any("bundle-2: copying from" in line for line in said)
+
+
+# What site.yml cannot converge in a container (as molecule/site switches it off: no GPU, no NVMe, no
+# kernel tuning, no Docker-in-Docker), and node_exporter, whose package this bundle leaves out.
+_SWITCHED_OFF = ("net_tuning", "nvme_raid", "nvidia_driver", "cuda", "nvidia_container_toolkit", "docker",
+                 "dcgm_exporter", "node_exporter")  # fmt: skip
+
+
+# Test-only, never in the role (as roles/common/molecule/default/prepare.yml does).
+_CHRONY_IN_A_CONTAINER = (
+    "[Unit]\nConditionCapability=\n[Service]\nExecStart=\nExecStart=!/usr/sbin/chronyd -x\n"
+)
+
+
+_CONTROLLER_CACHE = "/var/lib/sarv/controller-models"
+
+
+def _converge_inventory(site: Site) -> Path:
+    """The site as Ansible sees it from here: every host a GPU node (so `common` runs on each) and in the
+    controlplane group (Sarv's venv on each, for the `sim` engine); the controller and gateway run on the
+    first host only. The state store is the role's default SQLite file (no redis group), and no monitoring
+    group. The hosts are addressed by their private addresses, which the fleet inventory the role writes
+    carries to the controller."""
+    first = site.hosts[0].name
+    gpu = {"sarv_gpu_model": "A100-SXM4-80GB", "sarv_gpu_count": 1, "sarv_gpu_memory_mib": 81920,
+           "sarv_gpu_interconnect": "pcie"}  # fmt: skip
+    gpu |= {f"sarv_enable_{role}": False for role in _SWITCHED_OFF}
+    gpu["nvme_raid_devices"] = ["/dev/nvme-not-used-in-the-bundle-test"]  # see molecule/site/molecule.yml
+    off = {"sarv_controlplane_gateway_enabled": False, "sarv_controlplane_controller_enabled": False}
+    # The controller's own cache of verified weights, apart from the node cache on the same host, which
+    # the load (and the SSH launcher) write as root.
+    controller = {"sarv_controlplane_settings": {"model_cache": _CONTROLLER_CACHE}}
+    roles = {h.name: controller if h.name == first else off for h in site.hosts}
+    inventory = {
+        "all": {
+            "vars": {
+                "ansible_user": "root",
+                "preflight_required_groups": ["gpu_nodes", "controlplane"],
+                "sarv_enable_node_exporter": False,
+                # No NTP pool out there: chrony asks loopback (a site names its own servers).
+                "common_ntp_servers": ["127.0.0.1"],
+                "common_ntp_pools": [],
+            },
+            "children": {
+                "gpu_nodes": {"hosts": {h.name: {"ansible_host": h.ip} for h in site.hosts}, "vars": gpu},
+                "controlplane": {"hosts": roles},
+            },
+        }
+    }
+    path = site.inventory.parent / "converge.yml"  # beside the group_vars the load wrote
+    path.write_text(yaml.safe_dump(inventory, sort_keys=False))
+    return path
+
+
+def _replica_logs(site: Site) -> str:
+    """The replicas' units and their journals on every host, and the controller's (for a failed deploy)."""
+    out = []
+    for host in site.hosts:
+        res = host.exec(
+            "systemctl list-units --no-legend --plain --all 'sarv-*'; "
+            "journalctl -u 'sarv-sarv-tiny*' -u 'sarv-spread*' -u sarv-controller --no-pager | tail -40",
+            check=False,
+        )
+        out.append(f"--- {host.name}\n{res.stdout[-3000:]}{res.stderr[-500:]}")
+    return "\n".join(out)
+
+
+def _as_sarv(host: TestHost, command: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """``command`` as the role's service user, with the config the role wrote (llmctl of the role's venv)."""
+    return host.exec(
+        "runuser -u sarv -- env HOME=/var/lib/sarv SARV_CONFIG=/etc/sarv/config.yaml "
+        f"PATH=/opt/sarv/venv/bin:/usr/bin:/bin {command}",
+        check=False,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.timeout(1800)  # the module's bundle and load, then a full converge and a deploy
+def test_site_plays_and_deploy_converge_from_the_bundle_alone(site: Site) -> None:
+    assert site.load.returncode == 0, site.load.stderr
+    _no_way_out(site.hosts)
+    control, *_ = site.hosts
+    for host in site.hosts:  # a container has no CAP_SYS_TIME: chronyd without clock control (-x)
+        host.write_file("/etc/systemd/system/chrony.service.d/no-clock.conf", _CHRONY_IN_A_CONTAINER)
+    inventory = _converge_inventory(site)
+    log = inventory.with_suffix(".log")  # written as it runs: what a hung task was doing is there
+    with log.open("w") as out:
+        play = subprocess.run(
+            [venv_tool("ansible-playbook"), "-i", str(inventory), "--private-key", str(control.key_path),
+             str(REPO / "site.yml")],
+            stdout=out, stderr=subprocess.STDOUT, timeout=1200, check=False, cwd=REPO,
+            env=ansible_env(ANSIBLE_HOST_KEY_CHECKING="False", ANSIBLE_ROLES_PATH=str(REPO / "roles")),
+        )  # fmt: skip
+    assert play.returncode == 0, tail(log.read_text(), 150)
+    _no_way_out(site.hosts)
+
+    url = f"http://{control.ip}:8765"
+    for host in site.hosts:
+        # common: apt from the bundle's mirror only, its packages in; the mirrors llmctl reads recorded.
+        sources = host.exec("cat /etc/apt/sources.list; ls /etc/apt/sources.list.d").stdout
+        assert f"deb {url}/debs bookworm main" in sources and "deb.debian.org" not in sources, sources
+        host.exec("dpkg -s chrony jq pciutils python3-venv python3-packaging > /dev/null")
+        assert f"SARV_MODEL_STORE_URL={url}/models" in host.exec("cat /etc/sarv/mirrors.env").stdout
+        # sarv_controlplane: Sarv from the bundle's wheelhouse, the wheel built from this checkout.
+        assert host.exec("/opt/sarv/venv/bin/llmctl --version").stdout.strip()
+    pip = control.exec("/opt/sarv/venv/bin/pip list --format json").stdout
+    assert "sarv" in {d["name"] for d in json.loads(pip)}
+    assert control.exec("systemctl is-active sarv-controller sarv-gateway").stdout.split() == ["active"] * 2
+    for host in site.hosts[1:]:
+        assert host.exec("systemctl is-active sarv-gateway", check=False).stdout.strip() != "active"
+
+    # The controller reaches the nodes over SSH as root with the site's key (what an operator installs).
+    control.exec("install -d -o sarv -g sarv -m 0700 /var/lib/sarv/.ssh")
+    control.write_file("/var/lib/sarv/.ssh/id_ed25519", control.key_path.read_text(), mode="0600")
+    control.exec("chown sarv:sarv /var/lib/sarv/.ssh/id_ed25519")
+    since = control.exec("date '+%Y-%m-%d %H:%M:%S'").stdout.strip()
+    deploy = _as_sarv(control, "llmctl deploy sarv-tiny --engine sim --timeout 300")
+    assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:] + _replica_logs(site)
+    status = _as_sarv(control, "llmctl status -o json")
+    assert status.returncode == 0, status.stderr
+    [dep] = [d for d in json.loads(status.stdout)["deployments"] if d["name"] == "sarv-tiny"]
+    assert {r["state"] for r in dep["replicas"]} == {"ready"}
+    assert len(dep["replicas"]) == 1 and dep["replicas"][0]["node"] in {h.name for h in site.hosts}
+    # The weights came from the model store the load published (its access log), not generated here.
+    served = control.exec(f"journalctl -u sarv-bundle-mirror --since '{since}' --no-pager").stdout
+    assert "GET /models/sarv-tiny/none/" in served, served[-2000:]
+    assert control.exec(f"test -e {_CONTROLLER_CACHE}/_generated", check=False).returncode != 0
+
+    created = _as_sarv(control, "llmctl keys create converge -o json")
+    assert created.returncode == 0, created.stderr
+    key = json.loads(created.stdout)["key"]
+    chat = {"model": "sarv-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    headers = f"-H 'Authorization: Bearer {key}' -H 'Content-Type: application/json'"
+    answer = control.exec(
+        # The gateway picks the new deployment up from the state store within seconds: 60 tries, 1 s apart.
+        f"for i in $(seq 60); do curl -sf {headers} -d '{json.dumps(chat)}' "
+        "http://127.0.0.1:8080/v1/chat/completions && exit 0; sleep 1; done; exit 1",
+        check=False,
+        timeout=120,
+    )
+    assert answer.returncode == 0, answer.stdout[-2000:] + answer.stderr[-2000:]
+    assert json.loads(answer.stdout)["choices"][0]["message"]["content"]
+    undeploy = _as_sarv(control, "llmctl undeploy sarv-tiny --yes")
+    assert undeploy.returncode == 0, undeploy.stderr
+    _no_way_out(site.hosts)
+
+
+def test_replicas_of_a_converged_site_spread_over_its_nodes(site: Site) -> None:
+    """After the converge above (same module hosts): two replicas, each on its own node."""
+    control = site.hosts[0]
+    assert control.exec("test -x /opt/sarv/venv/bin/llmctl", check=False).returncode == 0, (
+        "needs test_site_plays_and_deploy_converge_from_the_bundle_alone to have converged the hosts"
+    )
+    deploy = _as_sarv(
+        control, "llmctl deploy sarv-tiny --name spread --engine sim --replicas 2 --timeout 240"
+    )
+    try:
+        assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:] + _replica_logs(site)
+        status = json.loads(_as_sarv(control, "llmctl status -o json").stdout)
+        [dep] = [d for d in status["deployments"] if d["name"] == "spread"]
+        assert {r["state"] for r in dep["replicas"]} == {"ready"}
+        assert len({r["node"] for r in dep["replicas"]}) == 2
+    finally:
+        _as_sarv(control, "llmctl undeploy spread --yes")
+    _no_way_out(site.hosts)
