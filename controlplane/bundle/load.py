@@ -112,7 +112,9 @@ def mirror_vars(manifest: Manifest, url: str, wheelhouse: Path, registry: str | 
     if manifest.by_part("models"):
         out["common_model_store_url"] = f"{url}/models"
     if registry:
-        out |= {"common_container_registry_mirror": registry, "docker_registry_mirrors": [registry]}
+        # dockerd's registry-mirrors are URLs: a bare HOST[:PORT] is reached over HTTPS.
+        mirror = registry if "://" in registry else f"https://{registry}"
+        out |= {"common_container_registry_mirror": registry, "docker_registry_mirrors": [mirror]}
     return out
 
 

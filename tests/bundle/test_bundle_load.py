@@ -21,6 +21,7 @@ import yaml
 from fixtures.ansible import ansible_env, tail, venv_tool
 from fixtures.bundles import Kit, llmctl
 from fixtures.common import REPO
+from fixtures.registry import Registry
 from fixtures.testhosts import TestHost
 
 from controlplane.remote import FabricConnector
@@ -215,6 +216,45 @@ _CHRONY_IN_A_CONTAINER = (
 
 
 _CONTROLLER_CACHE = "/var/lib/sarv/controller-models"
+
+
+def test_load_pushes_images_to_the_site_registry_the_inventory_names(
+    site: Site, kit: Kit, site_built: Path, site_registry: Registry, tmp_path: Path
+) -> None:
+    """With ``sarv_site_registry`` set, the image goes to that registry (digest kept) instead of to each
+    node, and the roles' registry variables point at it."""
+    assert site.load.returncode == 0, site.load.stderr
+    inventory = tmp_path / "inventory" / "hosts.ini"
+    inventory.parent.mkdir()
+    text = site.inventory.read_text()
+    assert "[all:vars]\n" in text
+    registry_line = f"[all:vars]\nsarv_site_registry={site_registry.address}\n"
+    inventory.write_text(text.replace("[all:vars]\n", registry_line))
+    res = llmctl(
+        "bundle", "load", str(site_built), "-i", str(inventory),
+        "--allowed-signers", str(kit.allowed_signers), "--work", str(tmp_path / "unpacked"),
+        # The mirror is already served by the first host; published here this time, to keep the test short.
+        "--publish-dir", str(tmp_path / "mirror"), "--mirror-url", "http://mirror.invalid/sarv",
+        env={"SARV_SSH_KEY_FILE": str(site.hosts[0].key_path)},
+    )  # fmt: skip
+    pushed = f"{site_registry.address}/{kit.image}"
+    try:
+        assert res.returncode == 0, res.stderr
+    finally:
+        subprocess.run(["docker", "rmi", pushed], capture_output=True, check=False)
+    assert f"image {kit.image}: registry:{pushed}" in res.stdout
+    repository, tag = kit.image.rsplit(":", 1)
+    assert site_registry.tags(repository) == [tag]
+    image_id = subprocess.run(
+        ["docker", "image", "inspect", "-f", "{{.Id}}", kit.image], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert site_registry.config_digest(repository, tag) == image_id
+    gv = yaml.safe_load((inventory.parent / "group_vars/all/sarv_bundle.yml").read_text())
+    assert gv["common_container_registry_mirror"] == site_registry.address
+    assert gv["docker_registry_mirrors"] == [f"https://{site_registry.address}"]
+    # The weights were already on every node: nothing copied again.
+    for host in site.hosts:
+        assert f"{host.name} from present" in res.stdout
 
 
 def _converge_inventory(site: Site) -> Path:
