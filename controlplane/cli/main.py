@@ -99,6 +99,14 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         ui.error("aborted")
         sys.exit(130)
+    except PermissionError as exc:
+        # A file or directory this user may not write (a cache or state dir made by another user, root).
+        where = exc.filename or "a file"
+        ui.error(
+            f"permission denied: {where}: run llmctl as the user that owns it, "
+            "or point the setting (model_cache, home, state_url) at a directory this user owns"
+        )
+        sys.exit(1)
     sys.exit(rv if isinstance(rv, int) else 0)
 
 
