@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import shlex
 import shutil
 import subprocess
@@ -71,6 +72,8 @@ class LoadResult:
     images: dict[str, list[str]] = field(default_factory=dict)
     """Image reference → the nodes it was loaded on (or ``registry:<ref>`` when pushed)."""
     weights: dict[str, list[PeerCopy]] = field(default_factory=dict)
+    terraform_config: Path | None = None
+    """A Terraform CLI config installing the bundle's providers (``TF_CLI_CONFIG_FILE``), if it has some."""
 
 
 @dataclass
@@ -118,6 +121,14 @@ def mirror_vars(manifest: Manifest, url: str, wheelhouse: Path, registry: str | 
     return out
 
 
+def _terraform_config(work: Path) -> Path:
+    """A Terraform CLI config that installs providers from the unpacked mirror only (no registry)."""
+    path = work / "terraform.tfrc"
+    mirror = json.dumps(str(work / "terraform"))  # an HCL string literal is a JSON one
+    path.write_text(f"provider_installation {{\n  filesystem_mirror {{\n    path = {mirror}\n  }}\n}}\n")
+    return path
+
+
 _WORK_MARK = ".sarv-bundle-work"
 
 
@@ -141,6 +152,7 @@ def load_bundle(req: LoadRequest, connect: Callable[[Node], Connection], say: Pr
     manifest = verify_bundle(
         req.bundle, req.allowed_signers, base=req.base, extract_to=req.work, progress=say
     )
+    tfrc = _terraform_config(req.work) if manifest.by_part("terraform") else None
     conns: dict[str, Connection] = {}
 
     def conn(host: _Host) -> Connection:
@@ -164,7 +176,7 @@ def load_bundle(req: LoadRequest, connect: Callable[[Node], Connection], say: Pr
     registry = next((h.registry for h in hosts if h.registry), None)
     gv = _write_group_vars(req.inventory, mirror_vars(manifest, url, req.work / "wheels", registry))
     say(f"group_vars: wrote {gv}")
-    return LoadResult(manifest, url, gv, images, weights)
+    return LoadResult(manifest, url, gv, images, weights, tfrc)
 
 
 def _publish_mirror(

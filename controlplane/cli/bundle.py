@@ -221,4 +221,6 @@ def register(app: typer.Typer) -> None:
             ui.out(f"image {ref}: {', '.join(nodes)}")
         for store_path, copies in result.weights.items():
             ui.out(f"weights {store_path}: " + ", ".join(f"{c.node} from {c.source}" for c in copies))
+        if result.terraform_config is not None:
+            ui.out(f"terraform: export TF_CLI_CONFIG_FILE={result.terraform_config}")
         ui.out(f"group_vars: {result.group_vars}")

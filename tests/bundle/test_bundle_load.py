@@ -10,6 +10,7 @@ node's cache, spread node to node.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
@@ -19,8 +20,8 @@ from pathlib import Path, PurePosixPath
 import pytest
 import yaml
 from fixtures.ansible import ansible_env, tail, venv_tool
-from fixtures.bundles import Kit, llmctl
-from fixtures.common import REPO
+from fixtures.bundles import FAKE_PROVIDER, Kit, llmctl
+from fixtures.common import REPO, need_binary
 from fixtures.registry import Registry
 from fixtures.testhosts import TestHost
 
@@ -255,6 +256,41 @@ def test_load_pushes_images_to_the_site_registry_the_inventory_names(
     # The weights were already on every node: nothing copied again.
     for host in site.hosts:
         assert f"{host.name} from present" in res.stdout
+
+
+def test_terraform_installs_the_bundles_providers_with_no_network(site: Site, tmp_path: Path) -> None:
+    """The CLI config the load writes makes `terraform init` take the bundle's providers, in a network
+    namespace with no interface up (so a registry lookup could only fail, never leave this machine)."""
+    assert site.load.returncode == 0, site.load.stderr
+    tfrc = site.work / "terraform.tfrc"
+    assert f"terraform: export TF_CLI_CONFIG_FILE={tfrc}" in site.load.stdout
+    terraform, unshare = need_binary("terraform"), need_binary("unshare")
+    module = tmp_path / "module"
+    module.mkdir()
+    (module / "main.tf").write_text(
+        "terraform {\n  required_providers {\n"
+        f'    fake = {{ source = "{FAKE_PROVIDER}", version = "~> 1.0" }}\n'
+        "  }\n}\n"
+    )
+
+    def init(*env: tuple[str, str]) -> subprocess.CompletedProcess[str]:
+        argv = [unshare, "--net", terraform, f"-chdir={module}", "init", "-input=false", "-no-color"]
+        return subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            env={**os.environ, "CHECKPOINT_DISABLE": "1", "TF_IN_AUTOMATION": "1", **dict(env)},
+        )
+
+    offline = init()  # the control: without the bundle's mirror there is nowhere to get it from
+    assert offline.returncode != 0
+    res = init(("TF_CLI_CONFIG_FILE", str(tfrc)))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    installed = module / ".terraform/providers" / FAKE_PROVIDER / "1.0.0/linux_amd64"
+    assert (installed / "terraform-provider-fake_v1.0.0").is_file()
+    assert FAKE_PROVIDER in (module / ".terraform.lock.hcl").read_text()
 
 
 def _converge_inventory(site: Site) -> Path:
