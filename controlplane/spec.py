@@ -565,6 +565,10 @@ class DeploymentRecord(_Model):
     ready again; the gateway holds its requests meanwhile. None: serving as usual."""
     zero_since: float = 0.0
     """Wall-clock time it went to zero."""
+    launching_until: float = 0.0
+    """Set while ``llmctl deploy`` (or a scale) is landing weights and starting replicas, cleared when it
+    is done: the controller leaves the deployment alone until then (wall clock; a crashed deploy's mark
+    runs out), instead of starting replicas of its own for a plan whose replicas are not recorded yet."""
     created_at: float = 0.0
     updated_at: float = 0.0
 

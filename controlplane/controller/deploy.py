@@ -42,6 +42,7 @@ from controlplane.weights import WeightsPolicy, read_source_json
 from controlplane.weights.tiny import TINY_MODEL_NAME
 
 __all__ = [
+    "LAUNCH_MARK_S",
     "LEAVING_STATES",
     "DeployResult",
     "Deployer",
@@ -54,6 +55,11 @@ __all__ = [
 
 Progress = Callable[[str, str], None]
 """``(key, description)``: one line of progress per key (a replica, the weights …)."""
+
+
+LAUNCH_MARK_S = 1800.0
+"""How long past its readiness timeout a launch keeps the controller off its deployment (weights of a
+large model take that long to land); a deploy that crashed leaves a mark that runs out after this."""
 
 
 class Planner(Protocol):
@@ -526,7 +532,10 @@ class Deployer:
         spec, plan = record.spec, record.plan
         if prepared is None:
             prepared = self._preflight(spec, model, plan, todo)
-        self.store.put_deployment(record)  # desired state first: a crash from here on is visible
+        # Desired state first (a crash from here on is visible), marked as being launched so that a
+        # running controller does not start replicas of its own before these are recorded.
+        marked = record.model_copy(update={"launching_until": self.clock() + timeout + LAUNCH_MARK_S})
+        self.store.put_deployment(marked)
         launched: list[_Launched] = []
         try:
             self._launch_all(
@@ -537,6 +546,8 @@ class Deployer:
         except BaseException as exc:
             self._rollback(spec, previous, launched)
             raise _rolled_back(spec, exc) from None
+        current = self.store.get_deployment(spec.name) or marked
+        self.store.put_deployment(current.model_copy(update={"launching_until": 0.0}))
         return [item.record for item in launched]
 
     def _launch_all(

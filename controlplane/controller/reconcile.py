@@ -430,11 +430,13 @@ class Reconciler:
         if replicas is None:
             return
         acting = self.config.act and self.deployer is not None
+        managed = self._managed(deployments)
         if acting:
             with self._phase("wake", report):
-                if await self.zero.wake(deployments, replicas):
+                if await self.zero.wake(managed, replicas):
                     replicas = self.store.list_replicas()
                     deployments = self.store.list_deployments()
+                    managed = self._managed(deployments)
 
         probes: dict[str, ProbeResult] = {}
         with self._phase("probe", report):
@@ -461,10 +463,20 @@ class Reconciler:
 
         if acting:
             with self._phase("heal", report):
-                replicas = await self._heal(deployments, replicas, probes, report)
+                replicas = await self._heal(managed, replicas, probes, report)
 
         if self._still_leader():
-            await self._act(deployments, replicas, probes, report, acting=acting)
+            await self._act(managed, replicas, probes, report, acting=acting)
+
+    def _managed(self, deployments: list[DeploymentRecord]) -> list[DeploymentRecord]:
+        """The deployments this pass may act on: not those a deploy or scale is still launching
+        (``DeploymentRecord.launching_until``); their replicas are probed and their state kept current."""
+        now = self.clock()
+        launching = [d.name for d in deployments if d.launching_until > now]
+        if not launching:
+            return deployments
+        logger.debug("being launched, left alone this pass: %s", ", ".join(launching))
+        return [d for d in deployments if d.launching_until <= now]
 
     async def _act(
         self,
