@@ -4,10 +4,9 @@ The first node receives the files from this machine once; then, round by round, 
 verified copy serves one node that does not, over SSH on the private network (a tree: 1 → 2 → 4 …
 holders). Each target copies into ``.<digest>.partial`` next to the final directory, appending to any
 partial file left by an interrupted copy, checks everything against the manifest sent from here
-(``sha256sum --check``),
-re-fetches whole any file that fails, and only then renames the directory into place: an engine never
-sees a partial or corrupted copy. Node-to-node SSH uses a key pair made for this one distribution,
-authorised on the nodes for its duration only.
+(``sha256sum --check``), re-fetches whole any file that fails, and only then renames the directory into
+place: an engine never sees a partial or corrupted copy. Node-to-node SSH uses a key pair made for this one
+distribution, authorised on the nodes for its duration only.
 
 Every peer works as root: the key goes into root's ``authorized_keys`` and nodes copy from each other as
 root. Callers give a node reached as another user its copy some other way (``llmctl deploy`` copies to it
