@@ -13,11 +13,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shlex
 import shutil
+import stat
 import subprocess
+import tarfile
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -198,18 +202,7 @@ def _publish_mirror(
     host = _serving_host(hosts, req.serve_host)
     c = conn(host)
     root = req.serve_dir
-    incoming = root.with_name(f".{root.name}.incoming")
-    c.run(f"rm -rf {shlex.quote(str(incoming))} && mkdir -p {shlex.quote(str(incoming))}", hide=True)
-    files = [p for part in tree for p in sorted(part.rglob("*")) if p.is_file()]
-    for i, path in enumerate(files, 1):
-        rel = path.relative_to(req.work).as_posix()
-        remote = incoming / rel
-        if i == len(files) or i % 50 == 1:
-            say(f"mirror: copying to {host.node.name} ({i}/{len(files)})")
-        c.run(f"mkdir -p {shlex.quote(str(remote.parent))}", hide=True)
-        c.put(str(path), str(remote))
-    qr, qi = shlex.quote(str(root)), shlex.quote(str(incoming))
-    c.run(f"chmod -R a+rX {qi} && rm -rf {qr} && mv -T {qi} {qr}", hide=True)
+    _copy_mirror(c, host.node.name, req.work, tree, root, say=say)
     unit = (
         "[Unit]\nDescription=Sarv bundle mirror (apt repository, wheelhouse, model store)\n"
         "After=network.target\n\n[Service]\nUser=nobody\n"
@@ -223,6 +216,78 @@ def _publish_mirror(
     url = f"http://{host.private_address}:{req.serve_port}"
     say(f"mirror: {host.node.name} serves {root} at {url}")
     return url
+
+
+def _mirror_member(path: Path, arcname: str) -> tarfile.TarInfo:
+    """The archive entry of ``path``: a regular file or a directory under a relative name, owned by root,
+    no set-id bits; anything else (a symlink, a device, a FIFO) is refused rather than carried."""
+    st = path.lstat()
+    info = tarfile.TarInfo(arcname)
+    if stat.S_ISDIR(st.st_mode):
+        info.type, info.mode = tarfile.DIRTYPE, 0o755
+    elif stat.S_ISREG(st.st_mode):
+        info.type, info.size = tarfile.REGTYPE, st.st_size
+        info.mode = 0o755 if st.st_mode & 0o111 else 0o644  # a provider binary stays executable
+    else:
+        raise BundleError(
+            f"mirror: {path} is neither a regular file nor a directory; the mirror carries only those",
+            hint=f"remove it from {path.parent}, or load the bundle again into a fresh --work directory",
+        )
+    info.mtime = int(st.st_mtime)
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    return info
+
+
+def _pack_mirror(work: Path, entries: list[Path], archive: Path) -> None:
+    """Write ``entries`` (under ``work``) to one uncompressed tar, named relative to ``work``: the files
+    are already compressed (.deb, .whl, weights), so compressing again costs time and saves nothing."""
+    with tarfile.open(archive, "w", format=tarfile.PAX_FORMAT) as tar:
+        for path in entries:
+            info = _mirror_member(path, path.relative_to(work).as_posix())
+            if info.isreg():
+                with path.open("rb") as fh:
+                    tar.addfile(info, fh)
+            else:
+                tar.addfile(info)
+
+
+def _copy_mirror(
+    c: Connection, name: str, work: Path, tree: list[Path], root: PurePosixPath, *, say: Progress
+) -> None:
+    """Copy the mirror parts to ``root`` on the host as one archive, unpacked into a sibling ``.incoming``
+    directory that replaces ``root`` only once complete: a failure leaves the previous mirror served and
+    the partial copy removed (or, with the connection gone, left where the next load empties it)."""
+    incoming = root.with_name(f".{root.name}.incoming")
+    remote_tar = root.with_name(f".{root.name}.incoming.tar")
+    qr, qi, qa = (shlex.quote(str(p)) for p in (root, incoming, remote_tar))
+    with tempfile.TemporaryDirectory(prefix=".mirror-", dir=work) as tmp:
+        # In ``work`` (not /tmp, often a small tmpfs): the archive is as large as the mirror, and ``work``
+        # has just taken the same bytes. The parts are its subdirectories, so the archive is not in them.
+        archive = Path(tmp) / "mirror.tar"
+        entries = [p for part in tree for p in [part, *sorted(part.rglob("*"))]]
+        files = [p for p in entries if p.is_file()]
+        size = sum(p.stat().st_size for p in files)
+        say(f"mirror: packing {len(files)} files ({size / 2**20:.1f} MiB)")
+        _pack_mirror(work, entries, archive)
+        c.run(f"rm -rf {qi} {qa} && mkdir -p {qi}", hide=True)
+        try:
+            say(f"mirror: copying to {name} ({archive.stat().st_size / 2**20:.1f} MiB)")
+            c.put(str(archive), str(remote_tar))
+            say(f"mirror: unpacking on {name}")
+            res = c.run(
+                f"tar -x --no-same-owner -f {qa} -C {qi}; rc=$?; rm -f {qa}; exit $rc", hide=True, warn=True
+            )
+            if res.return_code != 0:
+                raise BundleError(
+                    f"host {name}: unpacking the mirror failed: {res.stderr.strip()[-200:]}",
+                    hint=f"check the free space under {root.parent} on {name}; the previous mirror is kept",
+                )
+            c.run(f"chmod -R a+rX {qi} && rm -rf {qr} && mv -T {qi} {qr}", hide=True)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the connection may be what failed
+                c.run(f"rm -rf {qi} {qa}", hide=True, warn=True)
+            raise
 
 
 def _serving_host(hosts: list[_Host], name: str | None) -> _Host:
