@@ -37,7 +37,8 @@ class LocalConn:
     corrupt_put: bool = False
 
     def run(self, command: str, *, hide: bool = False, warn: bool = False, **_: Any) -> _Result:
-        proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60, check=False)
+        argv = ["bash", "-c", command]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
         if proc.returncode != 0 and not warn:
             raise RuntimeError(f"{command}: {proc.stderr}")
         return _Result(proc.returncode, proc.stdout, proc.stderr)
@@ -125,7 +126,8 @@ def test_the_mirror_goes_as_one_archive_of_plain_entries_and_replaces_the_served
         assert (m.uid, m.gid, m.uname, m.gname) == (0, 0, "root", "root"), m.name
         assert not m.mode & 0o7022, (m.name, oct(m.mode))  # no set-id bits, nothing group/world-writable
     assert said[0] == "mirror: packing 5 files (0.0 MiB)"
-    assert [s.split(" (")[0] for s in said[1:]] == ["mirror: copying to node-1", "mirror: unpacking on node-1"]
+    steps = [s.split(" (")[0] for s in said[1:]]
+    assert steps == ["mirror: copying to node-1", "mirror: unpacking on node-1"]
 
 
 @pytest.mark.parametrize("kind", ["symlink out", "fifo"])
