@@ -25,6 +25,7 @@ from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.discovery import Discovery
 from controlplane.gateway.errors import ApiError
 from controlplane.gateway.guardrails import Guardrails
+from controlplane.gateway.h1 import H1Pool
 from controlplane.gateway.hold import Hold
 from controlplane.gateway.metrics import GatewayMetrics
 from controlplane.gateway.ratelimit import InProcessLimiter, Level, RateLimiter
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 
 class GatewayApp:
-    """ASGI app. Inject ``store`` (replicas, keys), ``limiter``, ``session`` (upstream), the clocks and
+    """ASGI app. Inject ``store`` (replicas, keys), ``limiter``, ``session`` (discovery), the clocks and
     ``admin``, the listener that serves ``/metrics`` while the app runs (None: no metrics endpoint)."""
 
     def __init__(
@@ -124,18 +125,19 @@ class GatewayApp:
             return
         r = self.config.routing
         await self.requests.load_tokenizers()
+        sockets = upstream_socket_factory(self.config.limits.dead_peer_timeout_s)
         if self._session is None:
-            # limit=0: the per-model gates bound concurrency; a connector cap would queue invisibly.
+            # Discovery's polls. limit=0: the per-model gates bound concurrency; a cap would queue invisibly.
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(
                     limit=0,
                     keepalive_timeout=30.0,
                     enable_cleanup_closed=True,
-                    socket_factory=upstream_socket_factory(self.config.limits.dead_peer_timeout_s),
+                    socket_factory=sockets,
                 ),
                 auto_decompress=False,
             )
-        self.upstream.session = self._session
+        self.upstream.pool = H1Pool(socket_factory=sockets, keepalive_s=30.0)
         self._discovery = Discovery(
             self.store, self.router, self._session, self.metrics, monotonic=self._mono, hold=self.hold
         )
@@ -160,7 +162,9 @@ class GatewayApp:
         if self._own_session and self._session is not None:
             await self._session.close()
             self._session = None
-        self.upstream.session = self._session
+        if self.upstream.pool is not None:
+            await self.upstream.pool.close()
+            self.upstream.pool = None
         await self.limiter.close()
         await self.usage.close()
         if self.access_log is not None:

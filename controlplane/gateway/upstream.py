@@ -17,14 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import aiohttp
-from yarl import URL
-
 from controlplane.gateway.admission import Gate
 from controlplane.gateway.asgi import Message, Receive, Scope, Send, respond_error
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.errors import ApiError, error_body
 from controlplane.gateway.guardrails import SseRewriter, TextFilter
+from controlplane.gateway.h1 import H1Pool, Response, UpstreamConnectionError
 from controlplane.gateway.metrics import GatewayMetrics
 from controlplane.gateway.ratelimit import Reservation
 from controlplane.gateway.routing import ReplicaView, Router
@@ -53,7 +51,7 @@ MODERATION_KEY = "gateway:moderation"
 _PROMPT_RE = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
 _COMPLETION_RE = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 # Connection failures before the first byte: safe to retry elsewhere, nothing reached the client.
-_RETRYABLE = (aiohttp.ClientConnectionError,)
+_RETRYABLE = (UpstreamConnectionError,)
 _RETRY_STATUS = frozenset({502, 503})
 _JSON_HEADERS = {"content-type": "application/json"}
 _CHAT = "/v1/chat/completions"
@@ -96,8 +94,8 @@ class Job:
     flight: Flight = field(default_factory=Flight)
     filter_output: bool = True
     """Apply the output guardrails to the answer (False for the gateway's own calls)."""
-    timeout: aiohttp.ClientTimeout | None = None
-    """The upstream call's timeout; None: ``limits.request_timeout_s``."""
+    timeout: float | None = None
+    """Seconds the upstream call may take in all; None: ``limits.request_timeout_s``."""
     request_id: str = ""
     """The client's valid ``X-Request-Id`` or one generated; returned to the client, sent to the replica."""
     headers: dict[str, str] = field(default_factory=lambda: _JSON_HEADERS)
@@ -132,7 +130,7 @@ class _Reply:
 
 
 class Upstream:
-    """The upstream stage of one gateway (built once). ``session`` is set while the app is started;
+    """The upstream stage of one gateway (built once). ``pool`` is set while the app is started;
     ``output_filter`` is the guardrails' filter of answers, if any."""
 
     def __init__(
@@ -152,11 +150,8 @@ class Upstream:
         self._metrics = metrics
         self._gate = gate
         self._mono = monotonic
-        self.session: aiohttp.ClientSession | None = None
+        self.pool: H1Pool | None = None
         self.output_filter: TextFilter | None = None
-        self._urls: dict[tuple[str, str], URL] = {}
-        self._timeout = aiohttp.ClientTimeout(total=lim.request_timeout_s, sock_connect=lim.connect_timeout_s)
-        self._ask_timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
     async def admit_and_forward(self, receive: Receive | None, send: Send, job: Job) -> int:
         """Queue for the model, then forward; the HTTP status sent. With ``receive``, a client that
@@ -204,8 +199,8 @@ class Upstream:
 
     async def forward(self, send: Send, job: Job) -> int:
         """Pick a replica and call it, retrying connection failures and 502/503 on others."""
-        session = self.session
-        if session is None:
+        pool = self.pool
+        if pool is None:
             raise ApiError(503, "the gateway is not started", code="not_ready")
         router = self._router
         m = self._metrics
@@ -225,7 +220,7 @@ class Upstream:
             m.child(m.routing_decisions, policy, replica.id).inc()
             router.on_start(replica, job.reserve, job.info.blocks)
             try:
-                result = await self._call(session, replica, send, job)
+                result = await self._call(pool, replica, send, job)
             except (*_RETRYABLE, TimeoutError) as exc:
                 self.failed(replica, exc)
                 if job.flight.started:
@@ -253,22 +248,19 @@ class Upstream:
         if self._router.on_failure(replica):
             logger.warning("replica %s ejected after repeated failures (last: %s)", replica.id, exc)
 
-    async def _call(
-        self, session: aiohttp.ClientSession, replica: ReplicaView, send: Send, job: Job
-    ) -> int | None:
+    async def _call(self, pool: H1Pool, replica: ReplicaView, send: Send, job: Job) -> int | None:
         """One upstream attempt; None when the replica said 502/503 before anything reached the client."""
         flight = job.flight
-        url = self._urls.get((replica.endpoint, job.path))
-        if url is None:  # parsed once per replica and endpoint, not per request
-            if len(self._urls) >= 4096:  # replicas come and go: start over rather than grow
-                self._urls.clear()
-            url = self._urls[(replica.endpoint, job.path)] = URL(replica.endpoint + job.path)
-        async with session.post(
+        lim = self._limits
+        total = job.timeout or lim.request_timeout_s
+        async with pool.post(
             # The request's content type, id and trace headers, then the replica's engine key.
-            url,
-            data=job.body,
-            headers=job.headers | replica.headers,
-            timeout=job.timeout or self._timeout,
+            replica.endpoint,
+            job.path,
+            job.headers | replica.headers,
+            job.body,
+            total_s=total,
+            connect_s=min(total, lim.connect_timeout_s),
         ) as resp:
             status = resp.status
             if status in _RETRY_STATUS:
@@ -311,7 +303,7 @@ class Upstream:
             await self._relay(resp, send, job)
             return status
 
-    async def _relay(self, resp: aiohttp.ClientResponse, send: Send, job: Job) -> None:
+    async def _relay(self, resp: Response, send: Send, job: Job) -> None:
         """Copy an SSE body chunk by chunk as it arrives (no buffering), timing TTFT and gaps."""
         out_filter = self.output_filter if job.filter_output else None
         rewriter = SseRewriter(out_filter) if out_filter is not None else None
@@ -322,7 +314,7 @@ class Upstream:
         last = 0.0
         events = 0
         tail = b""
-        read = resp.content.readany  # iter_any() without its iterator wrapper: b"" is the end
+        read = resp.readany  # b"" is the end
         while chunk := await read():
             now = mono()
             if last:
@@ -351,11 +343,6 @@ class Upstream:
         payload = json.dumps(
             {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0}
         ).encode()
-        client_timeout = self._ask_timeouts.get(timeout)
-        if client_timeout is None:
-            client_timeout = self._ask_timeouts[timeout] = aiohttp.ClientTimeout(
-                total=timeout, sock_connect=min(timeout, self._limits.connect_timeout_s)
-            )
         job = Job(
             path=_CHAT,
             start=self._mono(),
@@ -363,7 +350,7 @@ class Upstream:
             model=model,
             body=payload,
             filter_output=False,
-            timeout=client_timeout,
+            timeout=timeout,
         )
         reply = _Reply()
         try:
@@ -372,7 +359,7 @@ class Upstream:
             raise ApiError(
                 503, f"{model} did not answer: {exc.message}", code="moderation_unavailable"
             ) from None
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (UpstreamConnectionError, TimeoutError) as exc:
             raise ApiError(503, f"{model} did not answer: {exc}", code="moderation_unavailable") from None
         if status != 200:
             raise ApiError(503, f"{model} answered HTTP {status}", code="moderation_unavailable")
@@ -386,7 +373,7 @@ class Upstream:
 
 
 def upstream_socket_factory(dead_peer_timeout_s: float) -> Callable[[AddrInfoType], socket.socket]:
-    """Sockets to replicas that notice a vanished peer (aiohttp's ``TCPConnector(socket_factory=…)``):
+    """Sockets to replicas that notice a vanished peer (:class:`H1Pool`'s and aiohttp's ``socket_factory``):
     ``TCP_USER_TIMEOUT`` bounds unacknowledged data, keepalive probes idle pooled connections. Without
     them the kernel retransmits for ~15 minutes into a host that is gone."""
     timeout_ms = int(dead_peer_timeout_s * 1000)

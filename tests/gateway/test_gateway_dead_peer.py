@@ -64,4 +64,4 @@ def test_the_gateway_pool_uses_the_factory(monkeypatch: pytest.MonkeyPatch, tmp_
         asyncio.run(start_and_stop())
     finally:
         store.close()
-    assert made == [7]
+    assert made == [7]  # one factory: the proxy pool's and discovery's sockets alike
