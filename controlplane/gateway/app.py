@@ -43,6 +43,9 @@ __all__ = ["GatewayApp"]
 
 logger = logging.getLogger(__name__)
 
+_UPSTREAM_KEEPALIVE_S = 30.0
+"""Idle connections to replicas are kept this long, by the proxy's pool and discovery's alike."""
+
 
 class GatewayApp:
     """ASGI app. Inject ``store`` (replicas, keys), ``limiter``, ``session`` (discovery), the clocks and
@@ -131,13 +134,13 @@ class GatewayApp:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(
                     limit=0,
-                    keepalive_timeout=30.0,
+                    keepalive_timeout=_UPSTREAM_KEEPALIVE_S,
                     enable_cleanup_closed=True,
                     socket_factory=sockets,
                 ),
                 auto_decompress=False,
             )
-        self.upstream.pool = H1Pool(socket_factory=sockets, keepalive_s=30.0)
+        self.upstream.pool = H1Pool(socket_factory=sockets, keepalive_s=_UPSTREAM_KEEPALIVE_S)
         self._discovery = Discovery(
             self.store, self.router, self._session, self.metrics, monotonic=self._mono, hold=self.hold
         )
