@@ -137,11 +137,12 @@ def _partial(dest: PurePosixPath) -> PurePosixPath:
 
 def _seed(peer: Peer, local: Path, files: dict[str, int], dest: PurePosixPath) -> int:
     work = _partial(dest)
+    # Every directory in one command: a round trip per file adds up on a many-shard model.
+    parents = sorted({str((work / name).parent) for name in files})
+    _run(peer, "mkdir -p " + shlex.join(parents))
     copied = 0
     for name in sorted(files):
-        target = work / name
-        _run(peer, f"mkdir -p {shlex.quote(str(target.parent))}")
-        _put(peer, local / name, target, name)
+        _put(peer, local / name, work / name, name)
         copied += files[name]
     return copied
 

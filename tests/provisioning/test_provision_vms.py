@@ -29,12 +29,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fixtures.ansible import ansible_env, tail, venv_tool
-from fixtures.common import REPO, need_binary
-from fixtures.vms import VM, Drive, inventory, vm_pool
+from fixtures.ansible import tail
+from fixtures.common import need_binary
+from fixtures.vms import VM, Drive, Fleet, recap_changed, vm_pool
 
-# Opt-in (``scripts/test -m vm tests/provisioning/test_provision_vms.py``): under software emulation the
-# module takes ~30 minutes on two cores, more than the whole default run may add (see docs/provisioning.md).
+# Opt-in (``scripts/test -m vm tests/provisioning/``): under software emulation the module takes ~19
+# minutes alone on two cores, more than the default run has room for (see docs/provisioning.md).
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 MOUNT = "/var/lib/sarv/models"
@@ -76,6 +76,9 @@ CONVERGE = f"""---
 - name: Model cache and network tuning on a VM
   hosts: vms
   gather_facts: true
+  # The roles read only os_family (nvme_raid's mdadm.conf path and initramfs handler): the minimal subset
+  # saves the hardware and network probes, each a slow process under software emulation.
+  gather_subset: [min]
   vars:
     nvme_raid_devices: {[d.guest_path for d in RAID]}
     nvme_raid_mount_owner: nobody
@@ -85,50 +88,17 @@ CONVERGE = f"""---
     - role: net_tuning
 """
 
-TIMES: dict[str, float] = {}
-
-
-class Fleet:
-    def __init__(self, vm: VM, workdir: Path) -> None:
-        self.vm = vm
-        self.workdir = workdir
-        self.inventory = workdir / "inventory.ini"
-        self.inventory.write_text(inventory([vm]))
-
-    def playbook(self, name: str, text: str) -> subprocess.CompletedProcess[str]:
-        path = self.workdir / f"{name}.yml"
-        path.write_text(text)
-        begun = time.monotonic()
-        out = subprocess.run(
-            [venv_tool("ansible-playbook"), "-i", str(self.inventory), str(path)],
-            cwd=REPO,
-            env=ansible_env(ANSIBLE_ROLES_PATH=str(REPO / "roles")),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=900,
-            check=False,
-        )
-        TIMES[name] = time.monotonic() - begun
-        return out
-
 
 @pytest.fixture(scope="module")
 def fleet(ssh_keypair: tuple[Path, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     workdir = tmp_path_factory.mktemp("vms")
     with vm_pool(workdir, ssh_keypair[0]) as pool:
         begun = time.monotonic()
-        (vm,) = pool.boot(drives=[*RAID, EXT4, MBR, MDSIG])
-        TIMES["boot"] = time.monotonic() - begun
-        yield Fleet(vm, workdir)
-    print(f"VM times (s, accel {pool.accel}): { ({k: round(v) for k, v in TIMES.items()}) }")
-
-
-def _recap_changed(out: str, host: str) -> int:
-    m = re.search(rf"^{re.escape(host)}\s*:\s*ok=\d+\s+changed=(\d+)\s+unreachable=0\s+failed=0", out, re.M)
-    assert m, tail(out, 120)
-    return int(m.group(1))
+        vms = pool.boot(drives=[*RAID, EXT4, MBR, MDSIG])
+        f = Fleet(vms, workdir)
+        f.times["boot"] = time.monotonic() - begun
+        yield f
+    print(f"VM times (s, accel {pool.accel}): { ({k: round(v) for k, v in f.times.items()}) }")
 
 
 def _sysctls(vm: VM) -> dict[str, str]:
@@ -192,13 +162,13 @@ def test_converge_builds_raid0_and_tunes_the_kernel(fleet: Fleet) -> None:
 def test_second_run_changes_nothing(fleet: Fleet) -> None:
     out = fleet.playbook("idempotence", CONVERGE)
     assert out.returncode == 0, tail(out.stdout, 120)
-    assert _recap_changed(out.stdout, fleet.vm.name) == 0, tail(out.stdout, 120)
+    assert recap_changed(out.stdout, fleet.vm.name) == 0, tail(out.stdout, 120)
 
 
 def test_array_mount_and_sysctls_survive_a_reboot(fleet: Fleet) -> None:
     vm = fleet.vm
     before = vm.ssh("cat /proc/sys/kernel/random/boot_id").stdout
-    TIMES["reboot"] = vm.reboot()
+    fleet.times["reboot"] = vm.reboot()
     assert vm.ssh("cat /proc/sys/kernel/random/boot_id").stdout != before
     _check_model_cache_and_sysctls(vm)
 
@@ -249,6 +219,7 @@ def test_drives_with_data_are_refused_unless_forced(fleet: Fleet) -> None:
 - name: Force a single drive
   hosts: vms
   gather_facts: true
+  gather_subset: [min]
   roles:
     - role: nvme_raid
       vars:
