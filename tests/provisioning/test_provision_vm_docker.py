@@ -22,13 +22,12 @@ an SELinux label (``system_u:system_r:container_t:s0:c…``) from ``/proc/self/a
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fixtures.ansible import tail
-from fixtures.vms import Fleet, recap_changed, vm_pool
+from fixtures.vms import Fleet, booted_fleet, recap_changed
 
 # Opt-in with the other VM scenarios (``scripts/test -m vm tests/provisioning/``), see docs/provisioning.md.
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -52,13 +51,8 @@ _MAKE_PROBE = (
 
 @pytest.fixture(scope="module")
 def fleet(ssh_keypair: tuple[Path, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    workdir = tmp_path_factory.mktemp("vm-docker")
-    with vm_pool(workdir, ssh_keypair[0]) as pool:
-        begun = time.monotonic()
-        f = Fleet(pool.boot(), workdir)
-        f.times["boot"] = time.monotonic() - begun
+    with booted_fleet(tmp_path_factory.mktemp("vm-docker"), ssh_keypair[0]) as f:
         yield f
-    print(f"VM times (s, accel {pool.accel}): { ({k: round(v) for k, v in f.times.items()}) }")
 
 
 def _probe(fleet: Fleet, path: str) -> str:

@@ -21,14 +21,13 @@ regenerated one is checked as a file.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fixtures.ansible import tail
 from fixtures.common import REPO
-from fixtures.vms import Fleet, recap_changed, vm_pool
+from fixtures.vms import Fleet, booted_fleet, recap_changed
 
 # Opt-in with the other VM scenarios (``scripts/test -m vm tests/provisioning/``), see docs/provisioning.md.
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -109,14 +108,10 @@ class Node:
 @pytest.fixture(scope="module")
 def node(ssh_keypair: tuple[Path, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     workdir = tmp_path_factory.mktemp("vm-nvidia")
-    with vm_pool(workdir, ssh_keypair[0]) as pool:
-        begun = time.monotonic()
-        f = Fleet(pool.boot(guest_reboot=True), workdir)
-        f.times["boot"] = time.monotonic() - begun
+    with booted_fleet(workdir, ssh_keypair[0], guest_reboot=True) as f:
         out = f.playbook("prepare", PREPARE, env={"MOLECULE_EPHEMERAL_DIRECTORY": str(workdir)})
         assert out.returncode == 0, tail(out.stdout, 120)
         yield Node(f)
-    print(f"VM times (s, accel {pool.accel}): { ({k: round(v) for k, v in f.times.items()}) }")
 
 
 def _fingerprint(node: Node) -> str:

@@ -24,14 +24,13 @@ from __future__ import annotations
 import re
 import struct
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fixtures.ansible import tail
 from fixtures.common import need_binary
-from fixtures.vms import VM, Drive, Fleet, recap_changed, vm_pool
+from fixtures.vms import VM, Drive, Fleet, booted_fleet, recap_changed
 
 # Opt-in (``scripts/test -m vm tests/provisioning/``): under software emulation the module takes ~19
 # minutes alone on two cores, more than the default run has room for (see docs/provisioning.md).
@@ -91,14 +90,8 @@ CONVERGE = f"""---
 
 @pytest.fixture(scope="module")
 def fleet(ssh_keypair: tuple[Path, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    workdir = tmp_path_factory.mktemp("vms")
-    with vm_pool(workdir, ssh_keypair[0]) as pool:
-        begun = time.monotonic()
-        vms = pool.boot(drives=[*RAID, EXT4, MBR, MDSIG])
-        f = Fleet(vms, workdir)
-        f.times["boot"] = time.monotonic() - begun
+    with booted_fleet(tmp_path_factory.mktemp("vms"), ssh_keypair[0], drives=[*RAID, EXT4, MBR, MDSIG]) as f:
         yield f
-    print(f"VM times (s, accel {pool.accel}): { ({k: round(v) for k, v in f.times.items()}) }")
 
 
 def _sysctls(vm: VM) -> dict[str, str]:
