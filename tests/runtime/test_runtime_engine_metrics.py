@@ -71,3 +71,12 @@ def test_no_load_series_is_none(text: str) -> None:
 def test_kv_usage_alone_reports_no_ongoing_requests() -> None:
     load = parse_vllm_metrics('vllm:kv_cache_usage_perc{engine="0"} 0.5\n')
     assert load is not None and load.ongoing is None
+
+
+def test_only_whole_names_count_and_crlf_pages_parse() -> None:
+    # A series whose name extends a read one is not that one; a first line needs no newline before it.
+    text = "vllm:num_requests_waiting 2\r\nvllm:num_requests_waiting_total 40\r\n"
+    text += '  vllm:num_requests_running 7\r\nvllm:num_requests_running{a="1"}\t3\r\n'
+    load = parse_vllm_metrics(text)
+    assert load is not None
+    assert (load.waiting, load.running) == (2.0, 3.0)
