@@ -412,11 +412,13 @@ class RedisLimiter:
         lease_fraction: float = 0.002,
         lease_ttl: float = 1.0,
         max_inflight: int = 48,
+        settle_interval: float = 0.25,
     ) -> None:
         """``client``: from :func:`controlplane.state.clients.async_client` (a ``redis.asyncio.Redis`` or
         ``RedisCluster``). ``lease_fraction`` 0 turns leases off. ``max_inflight`` bounds the Redis calls
         under way at once; keep it below the client's connections per node: redis-py's Cluster client
-        fails a command beyond them at once, and the reconnect that follows breaks the calls in flight."""
+        fails a command beyond them at once, and the reconnect that follows breaks the calls in flight.
+        ``settle_interval``: how often the settlements queued meanwhile go to Redis (one call per key)."""
         self._client = client
         self._prefix = prefix
         self._fail_open = fail_open
@@ -429,7 +431,7 @@ class RedisLimiter:
         self._topping: dict[str, asyncio.Task[None]] = {}
         self._inflight: dict[str, asyncio.Future[None]] = {}
         self._flusher: asyncio.Task[None] | None = None
-        self._flush_interval = 0.05
+        self._flush_interval = settle_interval
         self._closing = False
         self._initialised = False
         self._init_lock = asyncio.Lock()
@@ -662,10 +664,12 @@ class RedisLimiter:
             self._schedule_flush()
 
     async def settle(self, reservation: Reservation, actual_tokens: int) -> None:
-        """Queue the correction; a flusher applies all corrections of a key together every 50 ms.
+        """Queue the correction; a flusher applies all corrections of a key together every
+        ``settle_interval`` (250 ms).
 
         One Redis call per key and interval instead of one per request: settlement is off the hot path,
-        and a reservation standing 50 ms longer only limits a key slightly early, never late.
+        and a reservation standing 250 ms longer only limits a key slightly early, never late. Under steady
+        load each limited level (key, team, organisation) costs one call per interval.
         """
         delta = actual_tokens - reservation.tokens
         if delta == 0:
