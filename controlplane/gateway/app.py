@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from controlplane.errors import SarvError
 from controlplane.gateway.admin import AdminListener
 from controlplane.gateway.admission import Admission, ratelimit_headers
-from controlplane.gateway.asgi import Receive, Scope, Send, respond, respond_error
+from controlplane.gateway.asgi import Receive, Scope, Send, connection, respond, respond_error
 from controlplane.gateway.auth import KeyCache, TeamCache
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.discovery import Discovery
@@ -112,6 +112,7 @@ class GatewayApp:
         self.upstream.output_filter = self.guardrails.output_filter
         self.usage = UsageRecorder(store, self.config, metrics=self.metrics, clock=clock)
         self.access_log = AccessLog(self.config.access_log) if self.config.access_log.enabled else None
+        self._log_answers = self.access_log is not None and self.config.access_log.include_content
         self._mono = monotonic
         self.admin = admin
         self._session = session
@@ -296,11 +297,17 @@ class GatewayApp:
             await self.hold.wait(model, receive)
         return req
 
+    def _job(self, path: str, scope: Scope) -> Job:
+        job = Job(path=path, start=self._mono(), connection=connection(scope))
+        job.request_id, job.headers = trace_headers(scope)
+        if self._log_answers:
+            job.answer = bytearray()
+        return job
+
     async def _proxy(
         self, scope: Scope, receive: Receive, send: Send, path: str, schema: type[BaseModel]
     ) -> None:
-        job = Job(path=path, start=self._mono())
-        job.request_id, job.headers = trace_headers(scope)
+        job = self._job(path, scope)
         status = 500
         checks = self.requests
         known = False

@@ -168,7 +168,8 @@ class AccessLogConfig(_Model):
     path: Path | None = None
     """A file to append to (created 0600); None: standard error."""
     include_content: bool = False
-    """Also log the request body (prompts, messages). Off by default: prompts may hold personal data."""
+    """Also log the request body (prompts, messages) and the answer as sent (up to 1 MiB; a stream's SSE
+    events). Off by default: both may hold personal data."""
     flush_interval_s: float = Field(default=1.0, gt=0, le=60)
     """Lines are written in batches at this interval (and at shutdown), not one write per request."""
 

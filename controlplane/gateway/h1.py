@@ -4,8 +4,9 @@ A request's call to its replica is the gateway's hot path: measured with py-spy 
 client took a fifth of the gateway's CPU per request (request and timeout objects, header multidicts,
 stream readers), more than any stage of Sarv's own. This client does only what that call needs: ``POST``
 with a body already in memory to a plain-HTTP replica, the answer's status and headers, then its body whole
-(:meth:`Response.read`) or as it arrives (:meth:`Response.readany`, no buffering beyond what the socket
-hands over). Parsing is httptools' (llhttp, the parser uvicorn serves the gateway's own side with).
+(:meth:`Response.read`), as it arrives (:meth:`Response.readany`, no buffering beyond what the socket
+hands over) or handed to a callback as it arrives (:meth:`Response.pipe`, a streamed answer's relay).
+Parsing is httptools' (llhttp, the parser uvicorn serves the gateway's own side with).
 Discovery's polls, a few a second, keep aiohttp.
 
 Behaviour a proxy depends on:
@@ -53,7 +54,7 @@ class Response:
     the body is read with :meth:`read` or :meth:`readany`."""
 
     __slots__ = (
-        "_chunks", "_conn", "_error", "_head", "_paused", "_size", "_waiter",
+        "_chunks", "_conn", "_done", "_error", "_head", "_paused", "_sink", "_size", "_waiter",
         "complete", "headers", "received", "status", "until_eof",
     )  # fmt: skip
 
@@ -67,6 +68,8 @@ class Response:
         self._waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
         self._paused = False
+        self._sink: Callable[[bytes], None] | None = None
+        self._done: asyncio.Future[None] | None = None
         self.complete = False
         self.received = False
         """Any byte of the answer arrived (a lost connection before that may be a stale pooled one)."""
@@ -94,6 +97,41 @@ class Response:
             finally:
                 self._waiter = None
 
+    async def pipe(self, sink: Callable[[bytes], None]) -> None:
+        """Hand the rest of the body to ``sink`` as it arrives, from the connection's own callback: no task
+        switch, future or buffer per piece (one call per read from the socket). Returns at the body's end;
+        raises what :meth:`readany` would. ``sink`` must not raise; :meth:`pause` and :meth:`resume` let
+        it hold the replica back while its own reader is slow."""
+        if self._chunks:
+            data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+            self._chunks.clear()
+            self._size = 0
+            sink(data)
+        if self._paused:
+            self.resume()
+        if self._error is not None:
+            raise self._error
+        if self.complete:
+            return
+        self._sink = sink
+        done = self._done = asyncio.get_running_loop().create_future()
+        try:
+            await done
+        finally:
+            self._sink = None
+            self._done = None
+
+    def pause(self) -> None:
+        """Stop reading the replica's socket (TCP back-pressure) until :meth:`resume`."""
+        if not self._paused:
+            self._paused = True
+            self._conn.pause()
+
+    def resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            self._conn.resume()
+
     async def read(self) -> bytes:
         """The whole body."""
         parts = []
@@ -105,11 +143,20 @@ class Response:
 
     def _feed(self, data: bytes) -> None:
         self._chunks.append(data)
+        if self._sink is not None:
+            return  # handed over at the end of the socket read (_flush_sink)
         self._size += len(data)
         if self._size > _HIGH_WATER and not self._paused:
             self._paused = True
             self._conn.pause()
         self._wake()
+
+    def _flush_sink(self) -> None:
+        sink = self._sink
+        if sink is not None and self._chunks:
+            data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+            self._chunks.clear()
+            sink(data)
 
     def _finish(self) -> None:
         self.complete = True
@@ -128,6 +175,13 @@ class Response:
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
+        done = self._done
+        if done is not None and not done.done() and (self.complete or self._error is not None):
+            self._flush_sink()  # what arrived with the end goes out before it
+            if self._error is not None:
+                done.set_exception(self._error)
+            else:
+                done.set_result(None)
 
 
 class _Connection(asyncio.Protocol):
@@ -161,6 +215,8 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             resp._fail(UpstreamConnectionError(f"the replica answered malformed HTTP ({exc})"))
             self.close()
+            return
+        resp._flush_sink()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from controlplane._multipart import boundary, form_fields
 from controlplane.errors import ConfigError
-from controlplane.gateway.asgi import Receive, Scope
+from controlplane.gateway.asgi import Connection, Receive, Scope, connection
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.errors import ApiError
 from controlplane.gateway.ratelimit import Level
@@ -178,28 +178,37 @@ class RequestChecks:
                         413, f"request body is {declared} bytes; the limit is {limit}", code="body_too_large"
                     )
                 break
+        conn = connection(scope)
+        if conn is None:  # another ASGI server: a timeout around the reads
+            try:
+                async with asyncio.timeout(self._limits.body_timeout_s):
+                    return await self._read(receive, limit, None)
+            except TimeoutError:
+                raise self._body_timeout() from None
+        conn.expect_body(self._limits.body_timeout_s)
+        return await self._read(receive, limit, conn)
+
+    async def _read(self, receive: Receive, limit: int, conn: Connection | None) -> bytes:
         chunks: list[bytes] = []
         size = 0
-        try:
-            async with asyncio.timeout(self._limits.body_timeout_s):
-                while True:
-                    msg = await receive()
-                    if msg["type"] == "http.disconnect":
-                        raise ApiError(400, "client went away", code="client_disconnected")
-                    part: bytes = msg.get("body", b"")
-                    size += len(part)
-                    if size > limit:
-                        raise ApiError(413, f"request body exceeds {limit} bytes", code="body_too_large")
-                    chunks.append(part)
-                    if not msg.get("more_body", False):
-                        break
-        except TimeoutError:
-            raise ApiError(
-                408,
-                f"request body not received within {self._limits.body_timeout_s:g}s",
-                code="timeout",
-            ) from None
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        while True:
+            msg = await receive()
+            if conn is not None and conn.body_expired:
+                raise self._body_timeout()
+            if msg["type"] == "http.disconnect":
+                raise ApiError(400, "client went away", code="client_disconnected")
+            part: bytes = msg.get("body", b"")
+            size += len(part)
+            if size > limit:
+                raise ApiError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+            chunks.append(part)
+            if not msg.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _body_timeout(self) -> ApiError:
+        return ApiError(
+            408, f"request body not received within {self._limits.body_timeout_s:g}s", code="timeout"
+        )
 
     def parse(self, schema: type[BaseModel], body: bytes) -> BaseModel:
         """The validated request: the one parse of the body the gateway makes."""

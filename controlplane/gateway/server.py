@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from uvicorn.supervisors.multiprocess import Multiprocess
 from controlplane.errors import ConfigError
 from controlplane.gateway.admin import AdminListener, read_token
 from controlplane.gateway.app import GatewayApp
+from controlplane.gateway.asgi import CONNECTION
 from controlplane.gateway.config import load_gateway_config
 from controlplane.gateway.errors import error_body
 from controlplane.gateway.ratelimit import InProcessLimiter, RateLimiter, RedisLimiter
@@ -79,12 +81,15 @@ _LINGER_S = 5.0
 
 
 class GatewayHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a deadline on each request's head (request line and headers).
+    """uvicorn's httptools protocol with deadlines on each request's head and body, and the connection's
+    loss told to the request being served (:class:`~controlplane.gateway.asgi.Connection`).
 
     uvicorn bounds the idle time between requests but not the time a client takes to send its headers:
     one that trickles a byte now and then, or connects and sends nothing, would hold its connection for
-    ever. The deadline runs from the connection's opening, and from each later request's first byte, to
-    the end of its headers; past it the client gets 408 and the connection is closed.
+    ever. The head deadline runs from the connection's opening, and from each later request's first byte,
+    to the end of its headers; past it the client gets 408 and the connection is closed. The body's
+    deadline is set by the app when it starts reading (:meth:`expect_body`); a body already received,
+    the usual case, costs no timer.
     """
 
     head_timeout_s: float = 10.0
@@ -93,8 +98,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     """Set by :func:`create_app`: ``limits.max_header_bytes`` plus room for the request line."""
 
     _head_deadline: asyncio.TimerHandle | None = None
+    _body_deadline: asyncio.TimerHandle | None = None
     _head_bytes = 0
     _lingering = False
+    lost = False
+    on_lost: Callable[[], None] | None = None
+    on_writable: Callable[[], None] | None = None
+    body_expired = False
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:
@@ -115,15 +125,65 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        # uvicorn types extensions as dicts of dicts; the app reads this entry as a Connection (asgi.py).
+        self.scope["extensions"] = {CONNECTION: self}  # type: ignore[dict-item]
+        self.body_expired = False
         self._arm_head_deadline()
 
     def on_headers_complete(self) -> None:
         self._disarm_head_deadline()
         super().on_headers_complete()
 
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_deadline()
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
         super().connection_lost(exc)
+        self.lost = True
+        self.on_writable = None
+        callback, self.on_lost = self.on_lost, None
+        if callback is not None:
+            callback()
+
+    def chunked(self) -> bool:
+        cycle = self.cycle
+        return (
+            cycle is not None
+            and cycle.response_started
+            and bool(cycle.chunked_encoding)
+            and not cycle.response_complete
+            and cycle.scope["method"] != "HEAD"
+        )
+
+    def write_chunk(self, data: bytes) -> bool:
+        transport = self.transport
+        if data and not transport.is_closing():
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data))  # uvicorn's own chunk framing
+        return self.flow.write_paused
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        callback, self.on_writable = self.on_writable, None
+        if callback is not None:
+            callback()
+
+    def expect_body(self, timeout_s: float) -> None:
+        cycle = self.cycle
+        if cycle is not None and cycle.more_body and self._body_deadline is None and not self.lost:
+            self._body_deadline = self.loop.call_later(timeout_s, self._body_timed_out)
+
+    def _body_timed_out(self) -> None:
+        self._body_deadline = None
+        self.body_expired = True
+        if self.cycle is not None:
+            self.cycle.message_event.set()  # the app's receive() returns, and sees body_expired
 
     def _arm_head_deadline(self) -> None:
         if self._head_deadline is None:

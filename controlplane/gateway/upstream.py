@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from controlplane.gateway.admission import Gate
-from controlplane.gateway.asgi import Message, Receive, Scope, Send, respond_error
+from controlplane.gateway.asgi import Connection, Message, Receive, Scope, Send, respond_error
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.errors import ApiError, error_body
 from controlplane.gateway.guardrails import SseRewriter, TextFilter
@@ -30,8 +30,10 @@ from controlplane.gateway.tokens import PromptInfo
 
 if TYPE_CHECKING:
     from aiohappyeyeballs import AddrInfoType  # aiohttp's own dependency: the socket factory's argument
+    from prometheus_client import Histogram
 
 __all__ = [
+    "ANSWER_LOG_BYTES",
     "MODERATION_KEY",
     "Flight",
     "Job",
@@ -43,6 +45,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+ANSWER_LOG_BYTES = 1 << 20
+"""At most this much of an answer is kept for the access log's ``response`` (``include_content``)."""
 
 MODERATION_KEY = "gateway:moderation"
 """The ``key`` label of the moderation guardrail's own calls in the token counters."""
@@ -107,6 +112,11 @@ class Job:
     attempts: int = 0
     ttft: float | None = None
     """Seconds from the request's start to the first streamed chunk."""
+    connection: Connection | None = None
+    """The client's connection, where the gateway's own HTTP protocol serves it (tells of its loss)."""
+    answer: bytearray | None = None
+    """The answer as sent to the client, kept (up to ``ANSWER_LOG_BYTES``) only for an access log with
+    content; None otherwise."""
 
     @property
     def model_label(self) -> str:
@@ -161,15 +171,26 @@ class Upstream:
         flight = job.flight
         task = asyncio.current_task()
         watcher: asyncio.Task[None] | None = None
-        if receive is not None:
+        conn = job.connection if receive is not None else None
+
+        def lost() -> None:
+            if not flight.done and task is not None:
+                flight.disconnected = True
+                task.cancel()
+
+        # Watch from before the queue: a client that leaves while queued gives its place up at once.
+        if conn is not None:  # the gateway's protocol calls back: no task per request
+            if conn.lost:
+                lost()
+            else:
+                conn.on_lost = lost
+        elif receive is not None:
 
             async def watch() -> None:
                 msg = await receive()
-                if msg["type"] == "http.disconnect" and not flight.done and task is not None:
-                    flight.disconnected = True
-                    task.cancel()
+                if msg["type"] == "http.disconnect":
+                    lost()
 
-            # Watch from before the queue: a client that leaves while queued gives its place up at once.
             watcher = asyncio.create_task(watch())
         acquired = False
         m = self._metrics
@@ -192,6 +213,8 @@ class Upstream:
             flight.done = True
             if watcher is not None:
                 watcher.cancel()
+            if conn is not None and conn.on_lost is lost:
+                conn.on_lost = None
             if acquired:
                 gate.release()
             m.child(m.prompt_tokens, job.model, job.key, job.team).inc(job.usage[0])
@@ -291,6 +314,7 @@ class Upstream:
                 if self.output_filter is not None and status == 200 and job.filter_output:
                     data = SseRewriter(self.output_filter).rewrite_body(data)
                 usage_from(data, job.usage)
+                _keep(job.answer, data)
                 headers.append((b"content-length", str(len(data)).encode()))
                 flight.done = flight.started = True
                 await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -308,34 +332,37 @@ class Upstream:
         out_filter = self.output_filter if job.filter_output else None
         rewriter = SseRewriter(out_filter) if out_filter is not None else None
         m = self._metrics
-        ttft = m.child(m.ttft, job.model)
-        itl = m.child(m.itl, job.model)
-        mono = self._mono
-        last = 0.0
-        events = 0
-        tail = b""
+        meter = _Meter(job, m.child(m.ttft, job.model), m.child(m.itl, job.model), self._mono)
+        conn = job.connection
+        if rewriter is None and conn is not None and conn.chunked():
+            await self._pipe(resp, conn, meter)
+            await send({"type": "http.response.body", "body": b""})
+            return
+        answer = job.answer
         read = resp.readany  # b"" is the end
         while chunk := await read():
-            now = mono()
-            if last:
-                itl.observe(now - last)
-            else:
-                job.ttft = now - job.start
-                ttft.observe(job.ttft)
-            last = now
-            # One SSE event per token is vLLM's framing: a cheap completion count when usage is absent
-            # (kept current, so that a client leaving mid-stream is charged for what it received).
-            events += chunk.count(b"data: {")
-            job.usage[1] = events
-            if b'"usage":{' in chunk:
-                tail = chunk
+            meter.saw(chunk)
             out = rewriter.feed(chunk) if rewriter is not None else chunk
             if out:
+                _keep(answer, out)
                 await send({"type": "http.response.body", "body": out, "more_body": True})
-        if tail:
-            usage_from(tail, job.usage)
-        job.flight.done = True
-        await send({"type": "http.response.body", "body": rewriter.close() if rewriter else b""})
+        meter.end()
+        out = rewriter.close() if rewriter else b""
+        _keep(answer, out)
+        await send({"type": "http.response.body", "body": out})
+
+    @staticmethod
+    async def _pipe(resp: Response, conn: Connection, meter: _Meter) -> None:
+        """:meth:`_relay` where the gateway's protocol serves the client and no output filter rewrites the
+        answer: each piece goes from the replica's socket callback straight to the client's (a stream's
+        events cost no task switch, future or ASGI message each), with the same counts and timings."""
+        pipe = _Pipe(meter, conn, resp)
+        try:
+            await resp.pipe(pipe)
+        finally:
+            if pipe.waiting:
+                conn.on_writable = None
+        meter.end()
 
     async def ask(self, model: str, messages: list[dict[str, str]], timeout: float) -> str:
         """One non-streamed chat call to a Sarv-served model (the moderation hook's channel), through the
@@ -370,6 +397,75 @@ class Upstream:
             raise ApiError(
                 503, f"{model} answered without a verdict", code="moderation_unavailable"
             ) from None
+
+
+class _Meter:
+    """A streamed answer's TTFT, gaps between pieces, events and usage, piece by piece (both relays)."""
+
+    __slots__ = ("events", "itl", "job", "last", "mono", "tail", "ttft")
+
+    def __init__(self, job: Job, ttft: Histogram, itl: Histogram, mono: Callable[[], float]) -> None:
+        self.job = job
+        self.ttft = ttft
+        self.itl = itl
+        self.mono = mono
+        self.last = 0.0
+        self.events = 0
+        self.tail = b""
+
+    def saw(self, chunk: bytes) -> None:
+        job = self.job
+        now = self.mono()
+        if self.last:
+            self.itl.observe(now - self.last)
+        else:
+            job.ttft = now - job.start
+            self.ttft.observe(job.ttft)
+        self.last = now
+        # One SSE event per token is vLLM's framing: a cheap completion count when usage is absent (kept
+        # current, so that a client leaving mid-stream is charged for what it received).
+        self.events += chunk.count(b"data: {")
+        job.usage[1] = self.events
+        if b'"usage":{' in chunk:
+            self.tail = chunk
+
+    def end(self) -> None:
+        """The answer is complete: the replica's own usage, when it sent one, replaces the count."""
+        if self.tail:
+            usage_from(self.tail, self.job.usage)
+        self.job.flight.done = True
+
+
+def _keep(answer: bytearray | None, data: bytes) -> None:
+    """Add what the client was sent to the answer kept for the access log (up to ``ANSWER_LOG_BYTES``)."""
+    if answer is not None and data and len(answer) < ANSWER_LOG_BYTES:
+        answer += data[: ANSWER_LOG_BYTES - len(answer)]
+
+
+class _Pipe:
+    """The sink of a piped stream (:meth:`Upstream._pipe`): runs in the replica connection's callback, so it
+    must not raise; holds the replica back while the client's connection is paused for writing."""
+
+    __slots__ = ("answer", "conn", "meter", "resp", "waiting")
+
+    def __init__(self, meter: _Meter, conn: Connection, resp: Response) -> None:
+        self.meter = meter
+        self.conn = conn
+        self.resp = resp
+        self.answer = meter.job.answer
+        self.waiting = False
+
+    def __call__(self, chunk: bytes) -> None:
+        self.meter.saw(chunk)
+        _keep(self.answer, chunk)
+        if self.conn.write_chunk(chunk) and not self.waiting:
+            self.waiting = True
+            self.resp.pause()
+            self.conn.on_writable = self._writable
+
+    def _writable(self) -> None:
+        self.waiting = False
+        self.resp.resume()
 
 
 def upstream_socket_factory(dead_peer_timeout_s: float) -> Callable[[AddrInfoType], socket.socket]:

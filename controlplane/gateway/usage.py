@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
 from collections.abc import Callable
 from typing import Any
+
+from pydantic_core import to_json
 
 from controlplane.errors import StateError
 from controlplane.gateway.config import AccessLogConfig, GatewayConfig
@@ -26,9 +27,6 @@ _HOUR = 3600
 # Cap on the rows kept while the store is unreachable: (hour, key, team, model) combinations, a few hundred
 # bytes each. Beyond it the oldest hours are dropped, and the warning says how many rows were lost.
 _MAX_ROWS = 100_000
-
-# One encoder for every line: json.dumps with non-default arguments builds a new one per call.
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
 class UsageRecorder:
@@ -145,12 +143,12 @@ class UsageRecorder:
 class AccessLog:
     """JSON lines, one per proxied request, written in batches to a file (0600) or standard error.
 
-    Never the key itself, headers or (unless ``include_content``) the request body.
+    Never the key itself, headers or (unless ``include_content``) the request body and the answer.
     """
 
     def __init__(self, config: AccessLogConfig) -> None:
         self._config = config
-        self._lines: list[str] = []
+        self._lines: list[bytes] = []
         self._fd: int | None = None
         self._own_fd = False
         self._task: asyncio.Task[None] | None = None
@@ -183,9 +181,13 @@ class AccessLog:
             "attempts": job.attempts,
             "retried": job.attempts > 1,
         }
-        if self._config.include_content and job.body:
-            entry["request"] = job.body.decode("utf-8", "replace")
-        self._lines.append(_ENCODER.encode(entry) + "\n")
+        if self._config.include_content:
+            if job.body:
+                entry["request"] = job.body.decode("utf-8", "replace")
+            if job.answer is not None:
+                entry["response"] = job.answer.decode("utf-8", "replace")
+        # pydantic-core's encoder (compact, UTF-8 as is): a fifth of the json module's time per line.
+        self._lines.append(to_json(entry) + b"\n")
 
     async def _loop(self) -> None:
         while True:
@@ -196,7 +198,7 @@ class AccessLog:
         lines, self._lines = self._lines, []
         if not lines or self._fd is None:
             return
-        data = "".join(lines).encode()
+        data = b"".join(lines)
         try:
             while data:
                 data = data[os.write(self._fd, data) :]

@@ -259,6 +259,25 @@ def test_retried_request_counts_once(tenant_gateway, tmp_path):
     assert '"prompt":"hello"' in lines[0]["request"].replace(" ", ""), "content when the operator asks"
 
 
+def test_access_log_with_content_keeps_the_answer_as_sent(tenant_gateway, tmp_path):
+    store, start = tenant_gateway
+    key = add_key(store, "auditor")
+    log = tmp_path / "access.jsonl"
+    gw = start(access_log={"enabled": True, "path": str(log), "include_content": True})
+    whole = _post(gw, key)
+    streamed = _post(gw, key, stream=True)
+    plain = start(access_log={"enabled": True, "path": str(tmp_path / "plain.jsonl")})
+    _post(plain, key)
+    gw.stop()
+    plain.stop()
+    by_id = {line["request_id"]: line for line in map(json.loads, log.read_text().splitlines())}
+    assert by_id[whole.headers["x-request-id"]]["response"] == whole.text
+    assert by_id[streamed.headers["x-request-id"]]["response"] == streamed.text
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+    [line] = map(json.loads, (tmp_path / "plain.jsonl").read_text().splitlines())
+    assert "response" not in line and "request" not in line, "no content unless the operator asks"
+
+
 def test_team_and_organisation_models_and_prompt_caps(tenant_gateway):
     store, start = tenant_gateway
     store.put_team(TeamRecord(name="ml", models=["other"]))

@@ -169,7 +169,17 @@ def test_huge_headers_are_431(gw):
     assert r.status_code == 431
 
 
-def test_slow_client_trickling_its_body_gets_408_and_others_are_served(gw):
+@pytest.fixture(scope="module")
+def plain_gw(tmp_path_factory, gw, module_gateways):
+    """The same app under uvicorn's own protocol (another ASGI server): the body deadline is the app's."""
+    g = module_gateways(gw.app.store, gw.app.config, http="httptools")
+    g.key = gw.key
+    return g
+
+
+@pytest.mark.parametrize("server", ["gw", "plain_gw"])
+def test_slow_client_trickling_its_body_gets_408_and_others_are_served(request, server):
+    gw = request.getfixturevalue(server)
     body = json.dumps({"model": "m1", "prompt": "hello", "max_tokens": 2}).encode()
     with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as s:
         head = (
