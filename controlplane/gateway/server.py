@@ -90,6 +90,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     to the end of its headers; past it the client gets 408 and the connection is closed. The body's
     deadline is set by the app when it starts reading (:meth:`expect_body`); a body already received,
     the usual case, costs no timer.
+
+    It reads uvicorn's request cycle (``more_body``, ``response_started``/``response_complete``,
+    ``chunked_encoding``, ``message_event``) and flow control (``write_paused``), internals that uvicorn
+    0.30 to 0.55 share; the gateway's tests serve through this protocol, so an upgrade that changes them
+    fails there first.
     """
 
     head_timeout_s: float = 10.0
