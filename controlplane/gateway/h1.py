@@ -80,12 +80,8 @@ class Response:
         """What has arrived of the body since the last call (waiting for some); ``b""`` at its end."""
         while True:
             if self._chunks:
-                data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
-                self._chunks.clear()
-                self._size = 0
-                if self._paused:
-                    self._paused = False
-                    self._conn.resume()
+                data = self._take()
+                self.resume()
                 return data
             if self._error is not None:
                 raise self._error
@@ -103,12 +99,8 @@ class Response:
         raises what :meth:`readany` would. ``sink`` must not raise; :meth:`pause` and :meth:`resume` let
         it hold the replica back while its own reader is slow."""
         if self._chunks:
-            data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
-            self._chunks.clear()
-            self._size = 0
-            sink(data)
-        if self._paused:
-            self.resume()
+            sink(self._take())
+        self.resume()
         if self._error is not None:
             raise self._error
         if self.complete:
@@ -146,17 +138,21 @@ class Response:
         if self._sink is not None:
             return  # handed over at the end of the socket read (_flush_sink)
         self._size += len(data)
-        if self._size > _HIGH_WATER and not self._paused:
-            self._paused = True
-            self._conn.pause()
+        if self._size > _HIGH_WATER:
+            self.pause()
         self._wake()
+
+    def _take(self) -> bytes:
+        """Everything buffered, as one piece; the buffer is empty after."""
+        data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+        self._chunks.clear()
+        self._size = 0
+        return data
 
     def _flush_sink(self) -> None:
         sink = self._sink
         if sink is not None and self._chunks:
-            data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
-            self._chunks.clear()
-            sink(data)
+            sink(self._take())
 
     def _finish(self) -> None:
         self.complete = True

@@ -141,15 +141,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        if self._body_deadline is not None:
-            self._body_deadline.cancel()
-            self._body_deadline = None
+        self._disarm_body_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_deadline()
-        if self._body_deadline is not None:
-            self._body_deadline.cancel()
-            self._body_deadline = None
+        self._disarm_body_deadline()
         super().connection_lost(exc)
         self.lost = True
         self.on_writable = None
@@ -183,6 +179,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not None and cycle.more_body and self._body_deadline is None and not self.lost:
             self._body_deadline = self.loop.call_later(timeout_s, self._body_timed_out)
+
+    def _disarm_body_deadline(self) -> None:
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
 
     def _body_timed_out(self) -> None:
         self._body_deadline = None
