@@ -1,28 +1,43 @@
-"""Gateway overhead: one fixed-latency sim called directly, through Sarv, nginx, LiteLLM and vllm-router.
+"""Gateway overhead: one fixed-latency upstream called directly, through Sarv, nginx, LiteLLM and vllm-router.
 
 Usage: ``.venv/bin/python bench/gateway/overhead.py [--profile h100-8b stress] [--duration S]
-[--concurrency 50 200] [--peers]``
+[--concurrency 50 200] [--peers] [--upstream flat|sim] [--arrivals poisson|closed]``
 
-Each proxy runs pinned to core 1 (``taskset``) in front of the same simulator; the load generator (this
-process) and the simulator share core 0. Redis, which Sarv's rate limits use, shares Sarv's core: its cost
+Each proxy runs pinned to core 1 (``taskset``) in front of the same upstream; the load generator (this
+process) and the upstream share core 0. Redis, which Sarv's rate limits use, shares Sarv's core: its cost
 is Sarv's. Added latency is measured from the client, as the difference to the direct run within the same
-invocation (ratios, not absolute numbers, are what carries across machines). The clients of a closed loop
-start spread over one request's duration and only requests sent after the warm-up count. Sarv runs with
-API-key auth and Redis rate limits on. LiteLLM and vllm-router come from the bench-only venv
-(setup_bench_venv.sh).
+invocation (ratios, not absolute numbers, are what carries across machines). Only requests sent after the
+warm-up count. Sarv runs with API-key auth and Redis rate limits on. LiteLLM and vllm-router come from the
+bench-only venv (setup_bench_venv.sh).
 
-Profiles (the simulator's fixed latency):
+The upstream (``--upstream``):
+
+- ``flat`` (default): ``flatsse.c``, compiled at the start of the run, a fixed-latency OpenAI-shaped
+  server in C (epoll, absolute deadlines) that holds its times to within a millisecond at 200 streams
+  using ~0.25 of a core.
+- ``sim``: Sarv's engine simulator in fixed-latency mode. At 200 h100-8b streams it runs ~0.75 of a core
+  writing ~16,700 events/s, and its event loop falls tens of milliseconds behind now and then: the direct
+  run's TTFT p50 moved between 31 and 66 ms across repetitions on this VM. Kept for comparison with
+  earlier results; a proxy's added latency of a few milliseconds is not readable through it.
+
+The load (``--arrivals``):
+
+- ``poisson`` (default): ``loadgen.py``, requests at Poisson arrivals (an open loop) with the rate that keeps
+  N streams in flight on average (Little's law), the same seeded schedule for every target of a
+  repetition; responses parsed in protocol callbacks by httptools (~0.2 of a core at 200 streams).
+- ``closed``: N aiohttp clients back to back (``common.closed_loop``; ~0.4 of a core at 200 streams).
+  Clients of a closed loop against a fixed-latency upstream fall into lockstep after any pause, so bursts
+  grow over a run, differently each run.
+
+Profiles (the upstream's fixed latency):
 
 - ``h100-8b``: the reference simulator profile of an 8B model on an H100: 30 ms to the first token, then
   128 tokens 12 ms apart. 200 streams are ~16,700 SSE events/s through the proxy.
-- ``stress``: 20 ms, then 16 tokens 5 ms apart: ~2,000 requests and ~34,000 events/s at 200 streams,
-  more than the client and simulator can drive from one core, so its added latencies include the harness's
-  own queueing (see ``core_busy`` of the direct rows).
+- ``stress``: 20 ms, then 16 tokens 5 ms apart: ~2,000 requests and ~34,000 events/s at 200 streams.
 
 Every row records how busy each core was: a ``client`` core near 1.0 means the harness, not the proxy,
-set the latency. With ``--repeat N`` (h100-8b: 3) each cell runs N times, targets in a rotating order, and
-each row holds the medians (the single runs under ``runs``): at 200 streams one run's p50 moves by a few
-ms from run to run on a shared 2-core VM.
+set the latency. With ``--repeat N`` (h100-8b: 5) each cell runs N times, targets in a rotating order, and
+each row holds the medians (the single runs under ``runs``).
 """
 
 from __future__ import annotations
@@ -33,11 +48,13 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import uvloop
 from common import (
     PY,
     ROOT,
@@ -58,6 +75,7 @@ from common import (
     wait_http,
     write_json,
 )
+from loadgen import open_loop
 
 MODEL = "m1"
 _BASE = {"latency_mode": "fixed", "max_num_seqs": 4096, "kv_cache_tokens": 1 << 22, "max_model_len": 4096}
@@ -66,7 +84,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "sim": {**_BASE, "fixed_ttft_ms": 30, "fixed_itl_ms": 12, "fixed_output_tokens": 128},
         "duration": 10.0,
         "warmup": 2.0,
-        "repeat": 3,
+        "repeat": 5,
     },
     "stress": {
         "sim": {**_BASE, "fixed_ttft_ms": 20, "fixed_itl_ms": 5, "fixed_output_tokens": 16},
@@ -109,12 +127,26 @@ http {{
     return conf
 
 
-def check_prerequisites(peers: bool, litellm: bool = True) -> dict[str, str]:
+def flat_upstream(procs: Any, tmp: Path, prof: dict[str, Any]) -> str:
+    """flatsse.c built into ``tmp`` and started on core 0 with the profile's times; its URL."""
+    exe = tmp / "flatsse"
+    subprocess.run(["cc", "-O2", "-o", str(exe), str(Path(__file__).with_name("flatsse.c"))], check=True)
+    port = free_port()
+    times = [prof["fixed_ttft_ms"], prof["fixed_itl_ms"], prof["fixed_output_tokens"]]
+    procs.start("flatsse", [str(exe), str(port), MODEL, *map(str, times)], cpu=core(0))
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/health")
+    return url
+
+
+def check_prerequisites(peers: bool, litellm: bool = True, flat: bool = True) -> dict[str, str]:
     """The programs the run needs (name -> path); stops with one line naming the first one missing."""
     tools = {
         "redis-server": require_binary("redis-server", "apt-get install redis-server"),
         "nginx": require_binary("nginx", "apt-get install nginx", also_in=("/usr/sbin", "/sbin")),
     }
+    if flat:
+        tools["cc"] = require_binary("cc", "apt-get install gcc (or run with --upstream sim)")
     require_module("psutil", "pip install -e '.[bench]'")
     if peers:
         for tool in ("vllm-router", "litellm") if litellm else ("vllm-router",):
@@ -268,38 +300,72 @@ def start_targets(
     return targets
 
 
-def measure(name: str, target: str, t: dict[str, Any], cell: dict[str, Any], rep: int) -> dict[str, Any]:
-    """One closed loop against one target: its row (latencies, throughput, CPU, core utilisation)."""
+def measure(
+    name: str, target: str, t: dict[str, Any], cell: dict[str, Any], rep: int, arrivals: str
+) -> dict[str, Any]:
+    """One load run against one target: its row (latencies, throughput, CPU, core utilisation)."""
     headers = {"Content-Type": "application/json", **t["headers"]}
+    url = f"{t['url']}/v1/completions"
     cpu0 = cpu_seconds(t["pid"]) if t["pid"] else 0.0
     ticks = cpu_ticks()
     t_run = time.perf_counter()
-    samples, wall, completed = asyncio.run(
-        closed_loop(
-            f"{t['url']}/v1/completions",
-            cell["body"],
-            headers,
-            stream=cell["stream"],
-            concurrency=cell["concurrency"],
-            duration=cell["duration"],
-            warmup=cell["warmup"],
-            stagger=cell["stagger"],
+    extra: dict[str, Any] = {}
+    if arrivals == "poisson":
+        conc = cell["concurrency"]
+        res = uvloop.run(
+            open_loop(
+                url,
+                cell["body"],
+                headers,
+                stream=cell["stream"],
+                rate=conc / cell["stagger"],
+                duration=cell["duration"],
+                warmup=cell["warmup"],
+                seed=1000 * rep + conc + (1 if cell["stream"] else 0),
+                pool=conc + conc // 2 + 16,
+            )
         )
-    )
+        samples, wall, completed, sent = res.samples, res.window_s, res.completed_in_window, res.completed
+        extra = {
+            "client_late_p99_ms": res.late_p99_ms,
+            "connections_opened_in_run": res.opened_in_run,
+            "mean_in_flight": res.mean_in_flight,
+        }
+    else:
+        samples, wall, completed = asyncio.run(
+            closed_loop(
+                url,
+                cell["body"],
+                headers,
+                stream=cell["stream"],
+                concurrency=cell["concurrency"],
+                duration=cell["duration"],
+                warmup=cell["warmup"],
+                stagger=cell["stagger"],
+            )
+        )
+        sent = 0
     busy = core_busy(ticks, cpu_ticks())
     cpu1 = cpu_seconds(t["pid"]) if t["pid"] else 0.0
+    elapsed = time.perf_counter() - t_run
     row = {
         "target": target,
         "stream": cell["stream"],
         "concurrency": cell["concurrency"],
         "rep": rep,
         **summarize(samples, wall, completed),
+        **extra,
         "core_busy": {"proxy": busy.get(core(1)), "client": busy.get(core(0))},
     }
-    # the proxy's CPU rate over the whole run ÷ the request rate in the window
-    cpu_rate = (cpu1 - cpu0) / (time.perf_counter() - t_run)
     rps = row["throughput_rps"]
-    row["cpu_s_per_1k"] = cpu_rate / rps * 1000 if t["pid"] and rps else None
+    if not t["pid"]:
+        row["cpu_s_per_1k"] = None
+    elif sent:
+        # open loop: every answer of the run, warm-up and drain included, against the CPU of the run
+        row["cpu_s_per_1k"] = (cpu1 - cpu0) / sent * 1000
+    else:
+        # closed loop: the proxy's CPU rate over the whole run / the request rate in the window
+        row["cpu_s_per_1k"] = (cpu1 - cpu0) / elapsed / rps * 1000 if rps else None
     print(
         f"{name:8} {target:12} stream={cell['stream']!s:5} c={cell['concurrency']:<4} rep={rep} "
         f"ok={row['ok']:<6} rps={rps:8.1f} ttft p50/p99={row['ttft_p50_ms']:7.2f}/"
@@ -347,7 +413,10 @@ def run_profile(name: str, args: argparse.Namespace, tools: dict[str, str]) -> d
     with tempfile.TemporaryDirectory(prefix="sarv-bench-") as td:
         tmp = Path(td)
         with processes(tmp / "logs") as procs:
-            sim_url = sim(procs, "sim", MODEL, core(0), **prof["sim"])
+            if args.upstream == "flat":
+                sim_url = flat_upstream(procs, tmp, prof["sim"])
+            else:
+                sim_url = sim(procs, "sim", MODEL, core(0), **prof["sim"])
             targets = start_targets(procs, tmp, sim_url, args.peers, tools, args.tenants, not args.no_litellm)
             names = list(targets)
             for stream in (True, False):
@@ -367,7 +436,7 @@ def run_profile(name: str, args: argparse.Namespace, tools: dict[str, str]) -> d
                         # a different order each time: no target always runs first, or after LiteLLM
                         order = names[rep % len(names) :] + names[: rep % len(names)]
                         for target in order:
-                            runs.append(measure(name, target, targets[target], cell, rep))
+                            runs.append(measure(name, target, targets[target], cell, rep, args.arrivals))
     for run in runs:
         base = next(
             r
@@ -389,6 +458,8 @@ def run_profile(name: str, args: argparse.Namespace, tools: dict[str, str]) -> d
             "warmup_s": prof["warmup"],
             "stagger_s": stagger,
             "repeat": repeat,
+            "upstream": args.upstream,
+            "arrivals": args.arrivals,
             "cores": {"proxy+redis": core(1), "sim+client": core(0)},
             "sarv_tenants": args.tenants,
             "sarv_gateway_config": _GATEWAY_CONFIG if args.tenants else {},
@@ -420,9 +491,21 @@ def main() -> None:
         action="store_true",
         help="also a second Sarv with its key in a team, organisation limits, prices and the access log",
     )
+    ap.add_argument(
+        "--upstream",
+        choices=["flat", "sim"],
+        default="flat",
+        help="fixed-latency upstream: flatsse.c (default) or Sarv's simulator",
+    )
+    ap.add_argument(
+        "--arrivals",
+        choices=["poisson", "closed"],
+        default="poisson",
+        help="load: Poisson arrivals on a shared schedule (default) or a closed loop of N clients",
+    )
     ap.add_argument("--output", default=None, help="results name (default: overhead-<profile>)")
     args = ap.parse_args()
-    tools = check_prerequisites(args.peers, not args.no_litellm)
+    tools = check_prerequisites(args.peers, not args.no_litellm, args.upstream == "flat")
     # The load generator shares core 0 with the simulator; the proxies (and Redis) have core 1.
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(core(0))})

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -98,3 +100,67 @@ def test_a_missing_program_stops_with_one_line(
     (sbin / "nginx").chmod(0o755)
     found = common.require_binary("nginx", "apt-get install nginx", also_in=(str(sbin),))
     assert found == str(sbin / "nginx")
+
+
+def test_flat_upstream_and_open_loop_client(tmp_path: Path) -> None:
+    """The overhead benchmark's upstream (flatsse.c) keeps its deadlines and answers as vLLM does, and the
+    open-loop client reads every answer whole: the same seeded schedule, every sample accounted for."""
+    exe = tmp_path / "flatsse"
+    subprocess.run(["cc", "-O2", "-o", str(exe), str(BENCH / "gateway" / "flatsse.c")], check=True)
+    common = _load(BENCH / "gateway" / "common.py")
+    loadgen = _load(BENCH / "gateway" / "loadgen.py")
+    port = common.free_port()
+    proc = subprocess.Popen([str(exe), str(port), "m1", "20", "5", "4"])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        common.wait_http(f"{url}/health", timeout=10)
+        import httpx
+
+        assert "vllm:num_requests_running" in httpx.get(f"{url}/metrics").text
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "m1"
+        assert httpx.post(f"{url}/v1/completions/render", json={}).status_code == 404
+        usage = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": "m1", "stream": True, "stream_options": {"include_usage": True}},
+        )
+        events = [line for line in usage.text.splitlines() if line.startswith("data: ")]
+        assert len(events) == 4 + 2 and events[-1] == "data: [DONE]"
+        assert '"completion_tokens":4' in events[-2]
+        whole = httpx.post(f"{url}/v1/completions", json={"model": "m1", "stream": False}).json()
+        assert whole["usage"]["completion_tokens"] == 4 and whole["choices"][0]["text"] == " tok" * 4
+
+        assert loadgen.schedule(50, 2.0, 7) == loadgen.schedule(50, 2.0, 7) != loadgen.schedule(50, 2.0, 8)
+        # a connection the server closed while idle (uvicorn does after 5 s) is never sent a request
+        run = loadgen._Run(b"", True, (0.0, 0.0))
+        gone, live = loadgen._Conn(run), loadgen._Conn(run)
+        live.transport = type("T", (), {"is_closing": lambda self: False})()
+        run.idle = [live, gone]
+        assert run.take() is live and run.take() is None
+        for stream in (True, False):
+            body = json.dumps({"model": "m1", "prompt": "x", "stream": stream}).encode()
+            res = asyncio.run(
+                loadgen.open_loop(
+                    f"{url}/v1/completions",
+                    body,
+                    {"Content-Type": "application/json"},
+                    stream=stream,
+                    rate=40,
+                    duration=1.0,
+                    warmup=0.5,
+                    seed=3,
+                    pool=2,  # fewer than in flight: the client opens more as it needs them
+                )
+            )
+            arrivals = loadgen.schedule(40, 1.5, 3)
+            assert res.sent == len(arrivals) == res.completed
+            assert len(res.samples) == sum(1 for a in arrivals if a >= 0.5)
+            assert res.opened_in_run > 0
+            for s in res.samples:
+                assert s.ok and s.status == 200
+                # absolute deadlines: never earlier than the profile says
+                assert s.e2e >= 0.020 + 3 * 0.005
+                assert s.ttft >= (0.020 if stream else 0.035)
+                assert s.chunks >= (4 if stream else 1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
