@@ -460,7 +460,7 @@ def run_profile(name: str, args: argparse.Namespace, tools: dict[str, str]) -> d
             "repeat": repeat,
             "upstream": args.upstream,
             "arrivals": args.arrivals,
-            "cores": {"proxy+redis": core(1), "sim+client": core(0)},
+            "cores": {"proxy+redis": core(1), "upstream+client": core(0)},
             "sarv_tenants": args.tenants,
             "sarv_gateway_config": _GATEWAY_CONFIG if args.tenants else {},
         },
