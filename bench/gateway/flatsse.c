@@ -176,8 +176,8 @@ static int usage_json(char *buf, size_t cap) {
 /* The next piece of an answer whose deadline has come. Returns -1 when the connection must go. */
 static int tick(conn_t *c) {
     char ev[1024], usage[256], chunk[2048];
-    usage_json(usage, sizeof usage);
     if (!c->stream) {
+        usage_json(usage, sizeof usage);
         char body[8192];
         size_t off = (size_t)snprintf(body, sizeof body,
                                       "{\"id\":\"cmpl-flat%lu\",\"object\":\"text_completion\",\"created\":0,"
@@ -202,11 +202,13 @@ static int tick(conn_t *c) {
                      "data: {\"id\":\"cmpl-flat%lu\",\"object\":\"text_completion\",\"created\":0,\"model\":\"%s\","
                      "\"choices\":[{\"index\":0,\"text\":\" tok\",\"logprobs\":null,\"finish_reason\":%s}]}\n\n",
                      c->id, model, last ? "\"length\",\"stop_reason\":null" : "null");
-    if (last && c->usage)
+    if (last && c->usage) {
+        usage_json(usage, sizeof usage);
         n += snprintf(ev + n, sizeof ev - (size_t)n,
                       "data: {\"id\":\"cmpl-flat%lu\",\"object\":\"text_completion\",\"created\":0,"
                       "\"model\":\"%s\",\"choices\":[],%s}\n\n",
                       c->id, model, usage);
+    }
     if (last) n += snprintf(ev + n, sizeof ev - (size_t)n, "data: [DONE]\n\n");
     off += (size_t)snprintf(chunk + off, sizeof chunk - off, "%x\r\n%.*s\r\n%s", n, n, ev, last ? "0\r\n\r\n" : "");
     c->sent++;

@@ -127,10 +127,10 @@ http {{
     return conf
 
 
-def flat_upstream(procs: Any, tmp: Path, prof: dict[str, Any]) -> str:
-    """flatsse.c built into ``tmp`` and started on core 0 with the profile's times; its URL."""
+def flat_upstream(procs: Any, tmp: Path, prof: dict[str, Any], cc: str) -> str:
+    """flatsse.c built with ``cc`` into ``tmp`` and started on core 0 with the profile's times; its URL."""
     exe = tmp / "flatsse"
-    subprocess.run(["cc", "-O2", "-o", str(exe), str(Path(__file__).with_name("flatsse.c"))], check=True)
+    subprocess.run([cc, "-O2", "-o", str(exe), str(Path(__file__).with_name("flatsse.c"))], check=True)
     port = free_port()
     times = [prof["fixed_ttft_ms"], prof["fixed_itl_ms"], prof["fixed_output_tokens"]]
     procs.start("flatsse", [str(exe), str(port), MODEL, *map(str, times)], cpu=core(0))
@@ -325,7 +325,7 @@ def measure(
                 pool=conc + conc // 2 + 16,
             )
         )
-        samples, wall, completed, sent = res.samples, res.window_s, res.completed_in_window, res.completed
+        samples, wall, completed, answered = res.samples, res.window_s, res.completed_in_window, res.completed
         extra = {
             "client_late_p99_ms": res.late_p99_ms,
             "connections_opened_in_run": res.opened_in_run,
@@ -344,7 +344,7 @@ def measure(
                 stagger=cell["stagger"],
             )
         )
-        sent = 0
+        answered = 0
     busy = core_busy(ticks, cpu_ticks())
     cpu1 = cpu_seconds(t["pid"]) if t["pid"] else 0.0
     elapsed = time.perf_counter() - t_run
@@ -360,9 +360,9 @@ def measure(
     rps = row["throughput_rps"]
     if not t["pid"]:
         row["cpu_s_per_1k"] = None
-    elif sent:
+    elif answered:
         # open loop: every answer of the run, warm-up and drain included, against the CPU of the run
-        row["cpu_s_per_1k"] = (cpu1 - cpu0) / sent * 1000
+        row["cpu_s_per_1k"] = (cpu1 - cpu0) / answered * 1000
     else:
         # closed loop: the proxy's CPU rate over the whole run / the request rate in the window
         row["cpu_s_per_1k"] = (cpu1 - cpu0) / elapsed / rps * 1000 if rps else None
@@ -414,7 +414,7 @@ def run_profile(name: str, args: argparse.Namespace, tools: dict[str, str]) -> d
         tmp = Path(td)
         with processes(tmp / "logs") as procs:
             if args.upstream == "flat":
-                sim_url = flat_upstream(procs, tmp, prof["sim"])
+                sim_url = flat_upstream(procs, tmp, prof["sim"], tools["cc"])
             else:
                 sim_url = sim(procs, "sim", MODEL, core(0), **prof["sim"])
             targets = start_targets(procs, tmp, sim_url, args.peers, tools, args.tenants, not args.no_litellm)

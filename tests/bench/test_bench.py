@@ -131,7 +131,7 @@ def test_flat_upstream_and_open_loop_client(tmp_path: Path) -> None:
 
         assert loadgen.schedule(50, 2.0, 7) == loadgen.schedule(50, 2.0, 7) != loadgen.schedule(50, 2.0, 8)
         # a connection the server closed while idle (uvicorn does after 5 s) is never sent a request
-        run = loadgen._Run(b"", True, (0.0, 0.0))
+        run = loadgen._Run(True, (0.0, 0.0))
         gone, live = loadgen._Conn(run), loadgen._Conn(run)
         live.transport = type("T", (), {"is_closing": lambda self: False})()
         run.idle = [live, gone]
