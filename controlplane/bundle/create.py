@@ -36,7 +36,14 @@ from controlplane.bundle.manifest import (
 from controlplane.errors import BundleError, ConfigError
 from controlplane.weights import MANIFEST_NAME, ensure_weights, sha256_file
 
-__all__ = ["PARTS", "BundleRequest", "create_bundle", "human_size", "wheel_download_argv"]
+__all__ = [
+    "PARTS",
+    "BundleRequest",
+    "build_apt_repository",
+    "create_bundle",
+    "human_size",
+    "wheel_download_argv",
+]
 
 PARTS = ("wheels", "debs", "images", "models", "dashboards", "terraform")
 Progress = Callable[[str], None]
@@ -237,11 +244,29 @@ def _release_file(dists: Path, suite: str, arch: str) -> str:
 
 def _debs(req: BundleRequest, dest: Path, say: Progress) -> dict[str, str]:
     key = req.gpg_key or ""  # create_bundle refuses packages without a key before anything runs
-    debs = _deb_plan(req.packages)
+    return build_apt_repository(
+        req.packages, dest, key, release=req.release, deb_caches=req.deb_caches, say=say
+    )
+
+
+def build_apt_repository(
+    packages: list[str],
+    dest: Path,
+    gpg_key: str,
+    *,
+    release: str = "bookworm",
+    deb_caches: Sequence[Path] = (),
+    say: Progress = print,
+) -> dict[str, str]:
+    """A signed apt repository in ``dest`` of ``packages`` and their dependencies beyond the base system,
+    from this machine's apt sources (``deb_caches`` first): ``pool/``, ``dists/<release>/`` and an empty
+    ``dists/<release>-updates/``, indexes signed by ``gpg_key`` (in ``$GNUPGHOME``), its public key as
+    ``sarv-bundle.asc``. Returns what the manifest records of it."""
+    debs = _deb_plan(packages)
     names = [d.name for d in debs]
     pool = dest / "pool"
     pool.mkdir(parents=True, exist_ok=True)
-    fetch = [d for d in debs if not _from_cache(d, req.deb_caches, pool)]
+    fetch = [d for d in debs if not _from_cache(d, deb_caches, pool)]
     say(
         f"debs: {len(debs) - len(fetch)} of {len(debs)} packages from local caches, "
         f"apt-get download {len(fetch)}"
@@ -255,17 +280,15 @@ def _debs(req: BundleRequest, dest: Path, say: Progress) -> dict[str, str]:
     for d in debs:
         if sha256_file(pool / d.file) != d.sha256:
             raise BundleError(f"debs: {d.file} does not match the sha256 of apt's index ({d.sha256})")
-    if req.deb_caches:
-        keep = req.deb_caches[-1]
+    if deb_caches:
+        keep = deb_caches[-1]
         keep.mkdir(parents=True, exist_ok=True)
         for d in fetch:
             shutil.copy2(pool / d.file, keep / d.file)
     arch = _run(["dpkg", "--print-architecture"], "read the architecture").strip()
-    packages = _run(
-        ["dpkg-scanpackages", "--multiversion", "pool", "/dev/null"], "index the packages", cwd=dest
-    )
+    index = _run(["dpkg-scanpackages", "--multiversion", "pool", "/dev/null"], "index the packages", cwd=dest)
     # The common role's sources.list names <release> and <release>-updates: both exist, -updates empty.
-    for suite, text in ((req.release, packages), (f"{req.release}-updates", "")):
+    for suite, text in ((release, index), (f"{release}-updates", "")):
         dists = dest / "dists" / suite
         binary = dists / "main" / f"binary-{arch}"
         binary.mkdir(parents=True, exist_ok=True)
@@ -281,7 +304,7 @@ def _debs(req: BundleRequest, dest: Path, say: Progress) -> dict[str, str]:
                     "--yes",
                     "--armor",
                     "--local-user",
-                    key,
+                    gpg_key,
                     mode,
                     "-o",
                     str(dists / out),
@@ -290,12 +313,12 @@ def _debs(req: BundleRequest, dest: Path, say: Progress) -> dict[str, str]:
                 "sign the repository index (gpg)",
             )
     _run(
-        ["gpg", "--batch", "--yes", "--armor", "-o", str(dest / "sarv-bundle.asc"), "--export", key],
+        ["gpg", "--batch", "--yes", "--armor", "-o", str(dest / "sarv-bundle.asc"), "--export", gpg_key],
         "export the repository key",
     )
-    fpr = _run(["gpg", "--batch", "--with-colons", "--fingerprint", key], "read the key fingerprint")
+    fpr = _run(["gpg", "--batch", "--with-colons", "--fingerprint", gpg_key], "read the key fingerprint")
     fingerprint = next((line.split(":")[9] for line in fpr.splitlines() if line.startswith("fpr")), "")
-    return {"release": req.release, "arch": arch, "packages": ",".join(names), "key_fingerprint": fingerprint}
+    return {"release": release, "arch": arch, "packages": ",".join(names), "key_fingerprint": fingerprint}
 
 
 def _docker_inspect(ref: str, fmt: str) -> str | None:

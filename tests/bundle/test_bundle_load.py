@@ -210,7 +210,7 @@ _SWITCHED_OFF = ("net_tuning", "nvme_raid", "nvidia_driver", "cuda", "nvidia_con
                  "dcgm_exporter", "node_exporter")  # fmt: skip
 
 
-# Test-only, never in the role (as roles/common/molecule/default/prepare.yml does).
+# Test-only, never in the role: chronyd without clock control (containers lack CAP_SYS_TIME).
 _CHRONY_IN_A_CONTAINER = (
     "[Unit]\nConditionCapability=\n[Service]\nExecStart=\nExecStart=!/usr/sbin/chronyd -x\n"
 )

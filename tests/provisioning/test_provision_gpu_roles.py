@@ -35,6 +35,9 @@ GPU_ROLES = [
     "dcgm_exporter",
 ]
 
+# Roles whose container scenario was replaced by a VM scenario of the default run (scripts/test).
+ON_VMS = ("common",)  # tests/provisioning/test_provision_vm_common.py
+
 
 # --- fast checks -----------------------------------------------------------------------------------------
 
@@ -201,7 +204,7 @@ def _molecule_test(role: str, **extra_env: str) -> None:
 @pytest.mark.docker
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("role", [r for r in GPU_ROLES if r != "nvme_raid"])
+@pytest.mark.parametrize("role", [r for r in GPU_ROLES if r not in ("nvme_raid", *ON_VMS)])
 def test_molecule_scenario(role: str) -> None:
     _molecule_test(role)
 
