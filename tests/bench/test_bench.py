@@ -160,9 +160,12 @@ def test_flat_upstream_and_open_loop_client(tmp_path: Path) -> None:
                 # absolute deadlines: never earlier than the profile says
                 assert s.e2e >= 0.020 + 3 * 0.005
                 assert s.ttft >= (0.020 if stream else 0.035)
-                # streamed: the first token before the end (three more follow it); whole: both at once
-                assert (s.ttft < s.e2e) if stream else (s.ttft == s.e2e)
+                assert (s.ttft <= s.e2e) if stream else (s.ttft == s.e2e)
                 assert s.chunks >= (4 if stream else 1)
+            # streamed: the first token before the end (three more follow it 5 ms apart). A client that falls
+            # behind on a loaded machine may read a whole stream at once, so not in every sample.
+            if stream:
+                assert any(s.ttft < s.e2e for s in res.samples)
     finally:
         proc.terminate()
         proc.wait(timeout=10)
