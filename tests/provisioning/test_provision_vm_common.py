@@ -30,7 +30,6 @@ refusals, which need no kernel.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import time
@@ -42,12 +41,13 @@ from pathlib import Path
 import pytest
 import yaml
 from fixtures.ansible import tail
+from fixtures.bundles import gpg_signing_key
 from fixtures.common import REPO, need_binary
 from fixtures.vms import VM, Fleet, booted_fleet, recap_changed
 
 from controlplane.bundle.create import build_apt_repository
 
-# Opt-in with the other VM scenarios (``scripts/test -m vm tests/provisioning/``), see docs/provisioning.md.
+# Marker vm: not in the main pytest process; scripts/test runs this module in a process of its own.
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 PACKAGES: list[str] = yaml.safe_load((REPO / "roles/common/vars/Debian.yml").read_text())["_common_packages"]
@@ -129,16 +129,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for tool in ("gpg", "apt-get", "apt-cache", "dpkg-scanpackages"):
         need_binary(tool)
     root = tmp_path_factory.mktemp("vm-common-repo")
-    gnupghome = root / "gnupg"
-    gnupghome.mkdir(mode=0o700)
-    env = {**os.environ, "GNUPGHOME": str(gnupghome)}
-    key = "Sarv VM test repository <vm-repo@sarv.test>"
-    subprocess.run(
-        ["gpg", "--batch", "--passphrase", "", "--quick-gen-key", key, "ed25519", "sign", "never"],
-        check=True,
-        capture_output=True,
-        env=env,
-    )
+    gnupghome = gpg_signing_key(root / "gnupg", "Sarv VM test repository <vm-repo@sarv.test>")
     dest = root / "debs"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GNUPGHOME", str(gnupghome))
@@ -193,12 +184,13 @@ def test_configuration_files_and_the_mirrors_for_pip_llmctl_and_engines(site: Si
         "/etc/security/limits.d/90-sarv.conf": "root hard nofile  1048576",
         "/etc/systemd/journald.conf.d/90-sarv.conf": f"SystemMaxUse={JOURNAL_MAX}",
     }
+    content = {}
     for path, line in files.items():
-        assert node.ssh(f"stat -c '%a %U:%G' {path}").stdout.strip() == "644 root:root", path
-        assert line in node.ssh(f"cat {path}").stdout, path
-    env = node.ssh("cat /etc/sarv/mirrors.env").stdout
-    assert "SARV_MODEL_STORE_URL=https://models.example.internal" in env
-    assert "pool " not in node.ssh("cat /etc/chrony/chrony.conf").stdout
+        mode, _, content[path] = node.ssh(f"stat -c '%a %U:%G' {path} && cat {path}").stdout.partition("\n")
+        assert mode == "644 root:root", path
+        assert line in content[path], path
+    assert "SARV_MODEL_STORE_URL=https://models.example.internal" in content["/etc/sarv/mirrors.env"]
+    assert "pool " not in content["/etc/chrony/chrony.conf"]
     assert node.ssh("systemctl is-enabled chrony").stdout.strip() == "enabled"
 
 
