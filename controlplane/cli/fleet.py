@@ -124,7 +124,9 @@ def register(app: typer.Typer) -> None:
         ssh_key: Annotated[
             Path | None,
             typer.Option(
-                "--ssh-key", help="Private key for --discover (default: ssh-agent and ~/.ssh/id_*)."
+                "--ssh-key",
+                help="Private key for --discover (default: the ssh_key_file setting, $SARV_SSH_KEY_FILE, "
+                "as deploy uses; else ssh-agent and ~/.ssh/id_*).",
             ),
         ] = None,
         known_hosts: Annotated[
@@ -146,10 +148,13 @@ def register(app: typer.Typer) -> None:
         from controlplane.remote import FabricConnector
         from controlplane.settings import load_settings
 
-        source = inventory if inventory is not None else load_settings().inventory
+        settings = load_settings()
+        source = inventory if inventory is not None else settings.inventory
         fleet = load_fleet(source)
         if discover and source is not None:
-            connector = FabricConnector(key_filename=ssh_key, known_hosts=known_hosts)
+            # The key deploy and the launchers use, unless one is given: discovery reaches the same nodes.
+            key = ssh_key if ssh_key is not None else settings.ssh_key_file
+            connector = FabricConnector(key_filename=key, known_hosts=known_hosts)
             fleet = discover_fleet(fleet, connector=connector, connect_timeout=connect_timeout)
         if source is not None and not fleet.nodes:
             ui.warn(

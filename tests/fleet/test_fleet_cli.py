@@ -172,3 +172,12 @@ def test_discover_over_ssh(ssh_hosts, tmp_path: Path) -> None:  # type: ignore[n
     row = next(ln for ln in r.stdout.splitlines() if ln.startswith(f"│ {h0.name}"))
     assert "8 × H100 80GB HBM3" in row and "79.6 GiB each, 8 MiB used" in row
     assert "nvlink" in row and "NVLink all-to-all; 2 NUMA nodes" in row
+    # Without --ssh-key: the key deploy and the launchers use (the ssh_key_file setting), not only the
+    # agent's and ~/.ssh's (HOME here has none).
+    by_setting = llmctl(
+        "inventory", "-i", str(inv), "--discover", "-o", "json", cwd=tmp_path,
+        env={"SARV_SSH_KEY_FILE": str(h0.key_path)},
+    )  # fmt: skip
+    assert by_setting.returncode == 0, by_setting.stderr
+    [node] = json.loads(by_setting.stdout)["nodes"]
+    assert [g["model"] for g in node["gpus"]] == ["H100 80GB HBM3"] * 8
