@@ -14,9 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from fixtures.gateway import GatewayStarter, add_key, gateway_factory, gateway_model_ids
+from fixtures.gateway import GatewayStarter, add_key, chat, gateway_factory, gateway_model_ids
 from fixtures.testhosts import TestHost
 
 from controlplane.controller.adapters import AdapterManager
@@ -51,15 +50,6 @@ def _landed(host: TestHost, name: str) -> list[str]:
     """Verified copies in the node's cache: ``<cache>/<name>/<digest>`` directories with a manifest."""
     out = host.exec(f"ls -d {CACHE}/{name}/*/ 2>/dev/null || true").stdout.split()
     return [d.rstrip("/") for d in out if host.exec(f"test -s {d}/SHA256SUMS", check=False).returncode == 0]
-
-
-def _chat(url: str, key: str, model: str) -> httpx.Response:
-    return httpx.post(
-        f"{url}/v1/chat/completions",
-        headers={"Authorization": f"Bearer {key}"},
-        json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
-        timeout=30,
-    )
 
 
 def test_a_planned_gpu_deployment_with_adapters_and_draft_runs_on_the_rehearsal_fleet(
@@ -107,7 +97,7 @@ def test_a_planned_gpu_deployment_with_adapters_and_draft_runs_on_the_rehearsal_
     key = add_key(w.store)
     gw = gateway_factory(w.store)
     for model in ("chat", "sql"):
-        resp = _chat(gw.url, key, model)
+        resp = chat(gw.url, key, model)
         assert resp.status_code == 200, resp.text
 
     manager = AdapterManager(w.deployer)
@@ -115,8 +105,8 @@ def test_a_planned_gpu_deployment_with_adapters_and_draft_runs_on_the_rehearsal_
     for host in remote_hosts:
         assert _landed(host, "sarv-tiny-lora-docs")
     assert "docs" in gateway_model_ids(gw.url, key, "docs", present=True)
-    assert _chat(gw.url, key, "docs").status_code == 200
+    assert chat(gw.url, key, "docs").status_code == 200
     assert manager.remove("chat", "docs") == ["chat-0", "chat-1"]
     assert "docs" not in gateway_model_ids(gw.url, key, "docs", present=False)
-    gone = _chat(gw.url, key, "docs")
+    gone = chat(gw.url, key, "docs")
     assert gone.status_code == 404 and "docs" in gone.text

@@ -2,10 +2,11 @@
 
 What runs here: the real ``VllmEngine`` argv, the real ``RayLauncher`` sequencing and the real systemd unit
 rendering, on stand-in nodes that record the files written and the commands run instead of using SSH.
-What does not: the containers themselves. No test host here can run containers inside a node (Docker in a
-container needs --privileged, refused here) and no GPU image can be pulled, so only a GPU fleet shows the
-members join and NCCL use the planned GPUs; ``tests/remote/test_remote_ray.py`` runs the same launcher with
-real units on two container hosts for the process engines.
+What does not: the members' containers. A container test host cannot run containers (Docker in a container
+needs --privileged, refused here); a single-node ``vllm`` replica's container runs for real on a VM node
+with a stand-in image (tests/provisioning/test_provision_vm_docker.py), but that image has no Ray, so only a
+GPU fleet shows the members join and NCCL use the planned GPUs; ``tests/remote/test_remote_ray.py`` runs the
+same launcher with real units on two container hosts for the process engines.
 """
 
 from __future__ import annotations

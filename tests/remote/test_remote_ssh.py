@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import pytest
 from fixtures.common import free_port
+from fixtures.gateway import chat
 from fixtures.testhosts import TestHost
 
 from controlplane.errors import DiscoveryError, LaunchError
@@ -57,12 +57,7 @@ def test_sim_replicas_run_as_hardened_units_and_undeploy_removes_them(
         assert rec.handle["launcher"] == "ssh"
         # Engines listen on the node's private address (its nic), never on 0.0.0.0 or loopback.
         assert rec.endpoint is not None and rec.endpoint.startswith(f"http://{host.ip}:")
-        resp = httpx.post(
-            f"{rec.endpoint}/v1/chat/completions",
-            headers={"Authorization": f"Bearer {secret}"},
-            json={"model": "web", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
-            timeout=30,
-        )
+        resp = chat(rec.endpoint, secret, "web")
         assert resp.status_code == 200, resp.text
         unit = rec.handle["unit"]
         text = host.exec(f"cat /etc/systemd/system/{unit}").stdout

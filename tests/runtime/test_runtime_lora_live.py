@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fixtures.controller import llmctl_env
-from fixtures.gateway import GatewayStarter, add_key, gateway_factory, gateway_model_ids
+from fixtures.gateway import GatewayStarter, add_key, chat, gateway_factory, gateway_model_ids
 from fixtures.vllm import LlmctlEnv
 
 from controlplane.state import open_store
@@ -86,12 +86,7 @@ def test_add_route_remove_an_adapter_on_every_replica(
     assert "sql" in env.llmctl("lora", "list", "sarv-tiny", check=True).stdout
 
     assert "sql" in gateway_model_ids(gw.url, key, "sql", present=True)
-    resp = httpx.post(
-        f"{gw.url}/v1/chat/completions",
-        headers={"Authorization": f"Bearer {key}"},
-        json={"model": "sql", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
-        timeout=30,
-    )
+    resp = chat(gw.url, key, "sql")
     assert resp.status_code == 200, resp.text
 
     again = env.llmctl("lora", "add", "sarv-tiny", "sql", "--source", str(src))
