@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 import yaml
 from fixtures.ansible import tail
-from fixtures.bundles import gpg_signing_key
+from fixtures.bundles import gpg_signing_key, stop_gpg_agent
 from fixtures.common import REPO, need_binary
 from fixtures.vms import VM, Fleet, booted_fleet, recap_changed
 
@@ -134,6 +134,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GNUPGHOME", str(gnupghome))
         build_apt_repository(PACKAGES, dest, "vm-repo@sarv.test", deb_caches=DEB_CACHES, say=print)
+    stop_gpg_agent(gnupghome)
     return dest
 
 
