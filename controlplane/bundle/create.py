@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -160,24 +161,31 @@ _PRINT_URI = re.compile(r"^'(?P<uri>[^']+)' (?P<file>\S+) (?P<size>\d+) (?P<hash
 
 
 def _deb_closure(packages: list[str]) -> list[str]:
-    """The packages and everything they depend on (no recommends), minus the base system every host has."""
-    out = _run(
-        [
-            "apt-cache",
-            "depends",
-            "--recurse",
-            "--no-recommends",
-            "--no-suggests",
-            "--no-conflicts",
-            "--no-breaks",
-            "--no-replaces",
-            "--no-enhances",
-            *packages,
-        ],
-        "resolve the packages' dependencies (apt-cache depends)",
-    )
-    names = sorted({line.strip() for line in out.splitlines() if line and not line.startswith(" ")} - {""})
-    names = [n for n in names if not n.startswith("<")]  # virtual packages: a real one provides each
+    """The packages and everything a fresh install of them pulls in (no recommends), minus the base system
+    every host has.
+
+    apt's own resolver decides, simulating the install on a system with nothing installed (an empty
+    dpkg status file): of an ``a | b`` dependency it takes the alternative apt would, not all of them
+    (``apt-cache depends --recurse`` follows every alternative: gnupg's pinentry brought GTK and Qt).
+    A host that already has another alternative needs nothing from the group."""
+    with tempfile.NamedTemporaryFile(prefix="sarv-empty-status-") as status:
+        out = _run(
+            [
+                "apt-get",
+                "--simulate",
+                "--quiet",
+                "-o",
+                f"Dir::State::status={status.name}",
+                "-o",
+                "APT::Install-Recommends=false",
+                "-o",
+                "APT::Install-Suggests=false",
+                "install",
+                *packages,
+            ],
+            "resolve the packages' dependencies (apt-get --simulate install)",
+        )
+    names = sorted({line.split()[1] for line in out.splitlines() if line.startswith("Inst ")})
     shown = _run(["apt-cache", "show", "--no-all-versions", *names], "read the packages' priorities")
     base: set[str] = set()
     for stanza in shown.split("\n\n"):
