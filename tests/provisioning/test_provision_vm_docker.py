@@ -34,6 +34,7 @@ an SELinux label (``system_u:system_r:container_t:s0:c…``) from ``/proc/self/a
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +49,7 @@ from fixtures.engine_stand_in import (
     install_nvidia_stand_ins,
 )
 from fixtures.gateway import GatewayStarter, add_key, chat, gateway_factory
+from fixtures.testhosts import ONE_GPU_TOPO, l4_query
 from fixtures.vllm import LlmctlEnv
 from fixtures.vms import Fleet, booted_fleet, recap_changed
 
@@ -145,8 +147,6 @@ def test_live_restore_keeps_a_container_running_across_an_engine_restart(fleet: 
 
 # One declared L4, as the container test hosts declare theirs (tests/remote/conftest.py).
 GPU_UUID = "GPU-00000000-aaaa-bbbb-cccc-0000000000a1"
-_QUERY = f"0, {GPU_UUID}, NVIDIA L4, 23034, 0, 00000000:01:00.0\n"
-_TOPO = "\tGPU0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\nGPU0\t X \t0-1\t0\t\tN/A\n"
 ENGINE_IMAGE = "vllm/vllm-openai:v0.32.0-cu129"  # the L4 row's image in gpu_generations.yaml
 
 
@@ -154,7 +154,7 @@ ENGINE_IMAGE = "vllm/vllm-openai:v0.32.0-cu129"  # the L4 row's image in gpu_gen
 def gpu_node(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Fleet:
     """The converged VM as a GPU node: NVIDIA's programs and vLLM's image replaced by stand-ins."""
     work = tmp_path_factory.mktemp("stand-ins")
-    install_nvidia_stand_ins(fleet.vm, _QUERY, _TOPO, work)
+    install_nvidia_stand_ins(fleet.vm, l4_query(GPU_UUID), ONE_GPU_TOPO, work)
     build_engine_image(fleet.vm, ENGINE_IMAGE, work)
     return fleet
 
@@ -242,14 +242,15 @@ def test_llmctl_deploys_a_gpu_replica_into_its_engine_container_serving_through_
             env_file = env_file_path(Path(unit).name)
             assert vm.ssh(f"stat -c '%a %U' {env_file}").stdout.split() == ["600", "root"]
 
-            store = open_store(cli.env["SARV_STATE_URL"], Settings(home=cli.home))
-            api_key = add_key(store)
-            gw = gateway_factory(store)
-            resp = chat(gw.url, api_key, "chat", timeout=60)
+            with contextlib.closing(open_store(cli.env["SARV_STATE_URL"], Settings(home=cli.home))) as store:
+                api_key = add_key(store)
+                gw = gateway_factory(store)
+                try:
+                    resp = chat(gw.url, api_key, "chat", timeout=60)
+                finally:
+                    gw.stop()  # before its store closes
             assert resp.status_code == 200, resp.text
             assert resp.json()["choices"][0]["message"]["content"]
-            gateway_factory.close()
-            store.close()
     finally:
         undeployed = cli.llmctl("undeploy", "chat", timeout=300)
     assert undeployed.returncode == 0, undeployed.stdout + undeployed.stderr

@@ -11,14 +11,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from fixtures.testhosts import TestHost, checkout_volumes
+from fixtures.testhosts import ONE_GPU_TOPO, TestHost, checkout_volumes, l4_query
 
 from controlplane.launchers.ssh import SshLauncher
 from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, Fleet, ModelSpec, Node, Plan, Shard
-
-_QUERY = "0, GPU-{uuid}, NVIDIA L4, 23034, 0, 00000000:01:00.0\n"
-_TOPO = "\tGPU0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\nGPU0\t X \t0-1\t0\t\tN/A\n"
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +26,7 @@ def remote_hosts(testhost_factory: Callable[..., list[TestHost]]) -> list[TestHo
         # Test-only: /root is 0700 in the image; the unprivileged dynamic unit user must traverse it to
         # reach the interpreter mounted below it. Real nodes run Sarv's venv from /opt/sarv.
         host.exec("chmod 0711 /root")
-        host.set_fake_gpus(_QUERY.format(uuid=f"0000000{i}-aaaa-bbbb-cccc-000000000000"), _TOPO)
+        host.set_fake_gpus(l4_query(f"GPU-0000000{i}-aaaa-bbbb-cccc-000000000000"), ONE_GPU_TOPO)
     # In the order the planner and the store list nodes (by name): remote-10 comes before remote-9.
     return sorted(hosts, key=lambda h: h.name)
 
