@@ -22,6 +22,7 @@ from fixtures.ansible import ansible_env as _env
 from fixtures.ansible import tail as _tail
 from fixtures.ansible import venv_tool as _tool
 from fixtures.common import REPO, need, need_binary
+from fixtures.vms import image_dir
 
 GPU_ROLES = [
     "preflight",
@@ -37,6 +38,8 @@ GPU_ROLES = [
 
 # Roles whose container scenario was replaced by a VM scenario of the default run (scripts/test).
 ON_VMS = ("common",)  # tests/provisioning/test_provision_vm_common.py
+# Roles whose Molecule scenario runs on a QEMU VM, through the delegated driver in .config/molecule/vm/.
+MOLECULE_ON_VMS = ("net_tuning",)
 
 
 # --- fast checks -----------------------------------------------------------------------------------------
@@ -204,7 +207,7 @@ def _molecule_test(role: str, **extra_env: str) -> None:
 @pytest.mark.docker
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("role", [r for r in GPU_ROLES if r not in ("nvme_raid", *ON_VMS)])
+@pytest.mark.parametrize("role", [r for r in GPU_ROLES if r not in ("nvme_raid", *ON_VMS, *MOLECULE_ON_VMS)])
 def test_molecule_scenario(role: str) -> None:
     _molecule_test(role)
 
@@ -215,3 +218,33 @@ def test_molecule_scenario(role: str) -> None:
 @pytest.mark.timeout(1800)
 def test_molecule_nvme_raid(loop_device: str) -> None:
     _molecule_test("nvme_raid", SARV_NVME_RAID_LOOP=loop_device)
+
+
+@pytest.mark.molecule
+@pytest.mark.vm
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("role", MOLECULE_ON_VMS)
+def test_molecule_vm_scenario(role: str, tmp_path: Path) -> None:
+    """``molecule test`` with the VM driver: create boots a QEMU VM with scripts/testbed-vm, destroy stops it.
+    The ephemeral directory is this test's, so the VM's disks and key never outlive it."""
+    need_binary("qemu-system-x86_64")
+    image_dir()
+    ephemeral = tmp_path / "molecule"
+    out = subprocess.run(
+        [_tool("molecule"), "test"],
+        cwd=REPO / "roles" / role,
+        env=_env(MOLECULE_EPHEMERAL_DIRECTORY=str(ephemeral)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=2200,
+        check=False,
+    )
+    # `molecule test` destroys on failure too; a run killed before that leaves its VM host to this.
+    subprocess.run(
+        [REPO / "scripts" / "testbed-vm", "down", str(ephemeral / "vms")], timeout=120, check=False
+    )
+    rc = out.returncode
+    assert rc == 0, f"molecule test failed for roles/{role}:\n{_tail(out.stdout, 150)}"
+    print(_tail(out.stdout, 40))

@@ -1,22 +1,21 @@
-"""The roles that need a real kernel, on a QEMU virtual machine: ``nvme_raid`` and ``net_tuning``.
+"""The role that needs a real kernel for its disks, on a QEMU virtual machine: ``nvme_raid``.
 
-One VM (tests/fixtures/vms.py, image from scripts/testbed-vm-image) is shared by both scenarios, because
-software emulation is slow. It carries five emulated NVMe drives: two blank ones for the RAID-0 array, one
-with an ext4 filesystem, one with an MBR partition table and one that gets a foreign RAID member signature.
-The tests run in order on that VM:
+One VM (tests/fixtures/vms.py, image from scripts/testbed-vm-image) carries five emulated NVMe drives: two
+blank ones for the RAID-0 array, one with an ext4 filesystem, one with an MBR partition table and one that
+gets a foreign RAID member signature. The tests run in order on that VM:
 
-1. converge both roles with ansible-playbook over SSH: a real md RAID-0 array, XFS mounted noatime by UUID,
-   mdadm.conf and the initramfs updated; bbr with the fq qdisc and ECN in the running kernel, buffers,
-   backlog and somaxconn in /proc/sys;
+1. converge the role with ansible-playbook over SSH: a real md RAID-0 array, XFS mounted noatime by UUID,
+   mdadm.conf and the initramfs updated;
 2. a second run changes nothing;
-3. a reboot (with the kernel and initramfs in the guest's /boot) brings back the array, the mount, the
-   congestion control and every sysctl;
+3. a reboot (with the kernel and initramfs in the guest's /boot) brings back the array and the mount;
 4. drives carrying a filesystem, a partition table or a RAID signature are refused and left intact, and with
    ``nvme_raid_force`` a single drive is wiped and mounted without RAID.
 
-Molecule is not used here: its create/converge/idempotence/verify/destroy sequence is per scenario, while
-these two roles share one booted VM and a reboot with the guest's own initramfs between converge and verify.
-ansible-playbook is run directly against the VM's forwarded SSH port instead.
+Molecule is not used here: the reboot boots the kernel and the initramfs the role regenerated in the guest's
+/boot (QEMU is started again with them, :meth:`fixtures.vms.VM.reboot`), which a reboot from inside the
+guest under Molecule's VM driver (.config/molecule/vm/) does not do: QEMU keeps the kernel and initramfs it
+was started with. ansible-playbook is run directly against the VM's forwarded SSH port instead.
+``net_tuning``, which needs no initramfs, runs as a Molecule scenario on a VM (roles/net_tuning/molecule).
 """
 
 from __future__ import annotations
@@ -57,25 +56,11 @@ EXT4 = Drive("ext4", 320, _ext4)
 MBR = Drive("mbr", 64, _mbr)
 MDSIG = Drive("mdsig", 64)
 
-# Written and applied by net_tuning (its defaults); /proc/sys path -> value.
-SYSCTLS = {
-    "net/ipv4/tcp_congestion_control": "bbr",
-    "net/core/default_qdisc": "fq",
-    "net/ipv4/tcp_ecn": "1",
-    "net/core/rmem_max": "268435456",
-    "net/core/wmem_max": "268435456",
-    "net/ipv4/tcp_rmem": "4096 87380 268435456",
-    "net/ipv4/tcp_wmem": "4096 65536 268435456",
-    "net/core/somaxconn": "65535",
-    "net/ipv4/tcp_max_syn_backlog": "65535",
-    "net/core/netdev_max_backlog": "250000",
-}
-
 CONVERGE = f"""---
-- name: Model cache and network tuning on a VM
+- name: Model cache on a VM
   hosts: vms
   gather_facts: true
-  # The roles read only os_family (nvme_raid's mdadm.conf path and initramfs handler): the minimal subset
+  # The role reads only os_family (nvme_raid's mdadm.conf path and initramfs handler): the minimal subset
   # saves the hardware and network probes, each a slow process under software emulation.
   gather_subset: [min]
   vars:
@@ -84,7 +69,6 @@ CONVERGE = f"""---
     nvme_raid_mount_mode: "0750"
   roles:
     - role: nvme_raid
-    - role: net_tuning
 """
 
 
@@ -94,13 +78,7 @@ def fleet(ssh_keypair: tuple[Path, str], tmp_path_factory: pytest.TempPathFactor
         yield f
 
 
-def _sysctls(vm: VM) -> dict[str, str]:
-    paths = " ".join(f"/proc/sys/{p}" for p in SYSCTLS)
-    lines = vm.ssh(f"for f in {paths}; do echo $(cat $f); done").stdout.splitlines()
-    return dict(zip(SYSCTLS, lines, strict=True))
-
-
-def _check_model_cache_and_sysctls(vm: VM) -> None:
+def _check_model_cache(vm: VM) -> None:
     detail = vm.ssh("mdadm --detail /dev/md/sarv-models").stdout
     assert re.search(r"Raid Level : raid0", detail), detail
     assert re.search(r"Raid Devices : 2", detail), detail
@@ -122,26 +100,21 @@ def _check_model_cache_and_sysctls(vm: VM) -> None:
     ]
     assert conf == [brief]
     assert vm.ssh("blockdev --getra /dev/md/sarv-models").stdout.strip() == "16384"
-    assert _sysctls(vm) == SYSCTLS
-    assert "tcp_bbr" in vm.ssh("lsmod").stdout.split()
 
 
-def test_fresh_vm_has_kernel_defaults(fleet: Fleet) -> None:
-    """The values the roles set are not there before: what the later checks see is the roles' work."""
+def test_fresh_vm_has_no_array(fleet: Fleet) -> None:
+    """The array is not there before: what the later checks see is the role's work."""
     vm = fleet.vm
-    live = _sysctls(vm)
-    assert live["net/ipv4/tcp_congestion_control"] == "cubic"
-    assert live["net/core/somaxconn"] != SYSCTLS["net/core/somaxconn"]
     assert vm.ssh("test -e /dev/md/sarv-models", check=False).returncode != 0
     assert vm.ssh("grep -c . /proc/mdstat", check=False).returncode == 0  # the md driver is there
 
 
-def test_converge_builds_raid0_and_tunes_the_kernel(fleet: Fleet) -> None:
+def test_converge_builds_raid0(fleet: Fleet) -> None:
     out = fleet.playbook("converge", CONVERGE)
     assert out.returncode == 0, tail(out.stdout, 120)
     assert "RUNNING HANDLER [nvme_raid : Update the initramfs (Debian family)]" in out.stdout
     vm = fleet.vm
-    _check_model_cache_and_sysctls(vm)
+    _check_model_cache(vm)
     # The initramfs the guest boots next carries the array, so it is assembled under its name early.
     brief = vm.ssh("mdadm --detail --brief /dev/md/sarv-models").stdout.strip()
     inner = vm.ssh(
@@ -158,12 +131,12 @@ def test_second_run_changes_nothing(fleet: Fleet) -> None:
     assert recap_changed(out.stdout, fleet.vm.name) == 0, tail(out.stdout, 120)
 
 
-def test_array_mount_and_sysctls_survive_a_reboot(fleet: Fleet) -> None:
+def test_array_and_mount_survive_a_reboot(fleet: Fleet) -> None:
     vm = fleet.vm
     before = vm.ssh("cat /proc/sys/kernel/random/boot_id").stdout
     fleet.times["reboot"] = vm.reboot()
     assert vm.ssh("cat /proc/sys/kernel/random/boot_id").stdout != before
-    _check_model_cache_and_sysctls(vm)
+    _check_model_cache(vm)
 
 
 def _refusal_play(device: str, expect: str) -> str:
