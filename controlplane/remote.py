@@ -125,9 +125,10 @@ class FabricConnector:
     """Opens SSH connections with Fabric, as ``ansible_user``@``ansible_host``:``ansible_port`` of each node.
 
     ``key_filename`` restricts authentication to that private key (otherwise the agent and
-    ``~/.ssh/id_*`` are tried, as ssh does). ``known_hosts`` makes unknown or changed host keys fatal;
-    without it host keys are accepted on first sight, like Fabric's default and Ansible's
-    ``host_key_checking = False``.
+    ``~/.ssh/id_*`` are tried, as ssh does); a node's own key (``Node.ssh_key_file``, from its
+    ``ansible_ssh_private_key_file``) takes its place for that node. ``known_hosts`` makes unknown or
+    changed host keys fatal; without it host keys are accepted on first sight, like Fabric's default and
+    Ansible's ``host_key_checking = False``.
     """
 
     def __init__(
@@ -152,9 +153,20 @@ class FabricConnector:
         # connect_timeout only bounds the TCP connect in paramiko; a port that accepts but never
         # speaks SSH would otherwise hold a worker for the 15 s banner + 30 s auth defaults.
         connect_kwargs: dict[str, Any] = {"banner_timeout": connect_timeout, "auth_timeout": connect_timeout}
-        if self.key_filename is not None:
+        # The node's own key (its inventory's ansible_ssh_private_key_file) before the one for all nodes,
+        # as Ansible gives a host variable precedence over --private-key.
+        key = self.key_filename
+        if node.ssh_key_file:
+            key = Path(node.ssh_key_file)
+            if not key.is_file():
+                raise DiscoveryError(
+                    f"host {node.name}: its private key {key} (ansible_ssh_private_key_file) is not a file",
+                    hint="fix the path in the inventory, or remove the variable to use the ssh_key_file "
+                    "setting",
+                )
+        if key is not None:
             connect_kwargs |= {
-                "key_filename": [str(self.key_filename)],
+                "key_filename": [str(key)],
                 "look_for_keys": False,
                 "allow_agent": False,
             }

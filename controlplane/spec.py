@@ -119,6 +119,9 @@ class Node(_Model):
     """Interface carrying inter-node traffic; becomes ``NCCL_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME``."""
     ssh_user: str | None = None
     ssh_port: int = Field(default=22, ge=1, le=65535)
+    ssh_key_file: str | None = None
+    """Private key for SSH to this node (``ansible_ssh_private_key_file``); unset: the ``ssh_key_file``
+    setting, else the agent and ``~/.ssh``."""
 
     @model_validator(mode="after")
     def _unique_gpu_indices(self) -> Node:

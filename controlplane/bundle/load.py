@@ -33,7 +33,7 @@ from controlplane._files import write_atomic
 from controlplane.bundle.create import image_file
 from controlplane.bundle.manifest import Manifest, verify_bundle
 from controlplane.errors import BundleError, ConfigError
-from controlplane.fleet.inventory import GPU_NODES_GROUP, read_inventory_vars
+from controlplane.fleet.inventory import GPU_NODES_GROUP, key_path, read_inventory_vars
 from controlplane.spec import Node
 from controlplane.weights import cache_digest, read_manifest
 from controlplane.weights.distribute import Peer, PeerCopy, distribute
@@ -46,7 +46,15 @@ __all__ = ["GROUP_VARS_FILE", "LoadRequest", "LoadResult", "load_bundle", "mirro
 Progress = Callable[[str], None]
 GROUP_VARS_FILE = PurePosixPath("group_vars/all/sarv_bundle.yml")
 _MIRROR_PARTS = ("debs", "wheels", "models", "dashboards", "terraform")
-_HOST_KEYS = ("ansible_host", "ansible_user", "ansible_port", "sarv_private_address", "sarv_site_registry")
+_HOST_KEYS = (
+    "ansible_host",
+    "ansible_user",
+    "ansible_port",
+    "ansible_ssh_private_key_file",
+    "ansible_private_key_file",
+    "sarv_private_address",
+    "sarv_site_registry",
+)
 _UNIT = "sarv-bundle-mirror"
 
 
@@ -96,6 +104,9 @@ def _hosts(inventory: Path) -> list[_Host]:
             groups=groups,
             ssh_user=raw.get("ansible_user"),
             ssh_port=int(raw.get("ansible_port") or 22),
+            ssh_key_file=key_path(
+                raw.get("ansible_ssh_private_key_file") or raw.get("ansible_private_key_file")
+            ),
         )
         private = str(raw.get("sarv_private_address") or node.address)
         registry = raw.get("sarv_site_registry")

@@ -17,6 +17,7 @@ __all__ = [
     "GPU_NODES_GROUP",
     "declared_gpus",
     "is_fleet_document",
+    "key_path",
     "load_document",
     "read_ansible_inventory",
     "read_fleet_file",
@@ -42,6 +43,8 @@ _HOST_VARS = (
     "ansible_host",
     "ansible_user",
     "ansible_port",
+    "ansible_ssh_private_key_file",
+    "ansible_private_key_file",
 )
 _DECLARING_VARS = ("sarv_gpu_model", "sarv_gpu_count", "sarv_gpu_memory_mib", "sarv_gpus")
 _ALLOWED = {
@@ -59,6 +62,8 @@ _ALLOWED = {
     "ansible_host": "a host name or IP address",
     "ansible_user": "a user name",
     "ansible_port": "a port from 1 to 65535",
+    "ansible_ssh_private_key_file": "the path of a private key file",
+    "ansible_private_key_file": "the path of a private key file",
 }
 
 
@@ -80,6 +85,8 @@ class _HostVars(BaseModel):
     ansible_host: str | None = Field(default=None, min_length=1)
     ansible_user: str | None = Field(default=None, min_length=1)
     ansible_port: int | None = Field(default=None, ge=1, le=65535)
+    ansible_ssh_private_key_file: str | None = Field(default=None, min_length=1)
+    ansible_private_key_file: str | None = Field(default=None, min_length=1)
 
     @field_validator("sarv_gpu_interconnect", mode="before")
     @classmethod
@@ -234,9 +241,15 @@ def _node_from_vars(name: str, groups: list[str], raw: Mapping[str, Any]) -> Nod
             nic=hv.sarv_nic,
             ssh_user=hv.ansible_user,
             ssh_port=hv.ansible_port or 22,
+            ssh_key_file=key_path(hv.ansible_ssh_private_key_file or hv.ansible_private_key_file),
         )
     except ValidationError as exc:
         raise InventoryError(f"host {name}: {describe_validation_error(exc, what='node')}") from None
+
+
+def key_path(value: str | None) -> str | None:
+    """A host's private key as Ansible reads it: ``~`` expanded, relative to the working directory."""
+    return str(Path(value).expanduser().absolute()) if value else None
 
 
 def _irregular_gpus(

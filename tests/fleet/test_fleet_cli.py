@@ -181,3 +181,16 @@ def test_discover_over_ssh(ssh_hosts, tmp_path: Path) -> None:  # type: ignore[n
     assert by_setting.returncode == 0, by_setting.stderr
     [node] = json.loads(by_setting.stdout)["nodes"]
     assert [g["model"] for g in node["gpus"]] == ["H100 80GB HBM3"] * 8
+    # A host's own key (ansible_ssh_private_key_file) comes before the setting's, as in Ansible: with the
+    # setting naming a key the host does not accept, discovery still gets in.
+    other = tmp_path / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True, timeout=60)
+    with inv.open("a") as f:
+        f.write(f"      ansible_ssh_private_key_file: {h0.key_path}\n")
+    by_host = llmctl(
+        "inventory", "-i", str(inv), "--discover", "-o", "json", cwd=tmp_path,
+        env={"SARV_SSH_KEY_FILE": str(other)},
+    )  # fmt: skip
+    assert by_host.returncode == 0, by_host.stderr
+    [node] = json.loads(by_host.stdout)["nodes"]
+    assert node["ssh_key_file"] == str(h0.key_path) and len(node["gpus"]) == 8

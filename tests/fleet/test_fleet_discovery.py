@@ -189,6 +189,16 @@ def test_unreachable_host_says_what_to_check() -> None:
     assert "check ansible_host/ansible_port, that sshd runs there" in msg and "\n" not in msg
 
 
+def test_a_nodes_missing_private_key_is_named_before_connecting(tmp_path: Path) -> None:
+    node = declared_node("keyed", ssh_port=free_port(), ssh_user="sarv")
+    node = node.model_copy(update={"ssh_key_file": str(tmp_path / "nope")})
+    with pytest.raises(DiscoveryError) as err:
+        discover_fleet(Fleet(nodes=[node]), connector=FabricConnector(), connect_timeout=2)
+    msg = str(err.value)
+    assert msg.startswith(f"host keyed: its private key {tmp_path / 'nope'} (ansible_ssh_private_key_file)")
+    assert "\n" not in msg
+
+
 def test_a_port_that_never_speaks_ssh_is_bounded_by_connect_timeout() -> None:
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]

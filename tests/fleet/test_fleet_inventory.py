@@ -278,3 +278,27 @@ def test_this_host_without_nvidia_smi() -> None:
     (node,) = fleet.nodes
     assert node.address == "127.0.0.1" and node.name
     assert isinstance(fleet, Fleet)
+
+
+def test_a_hosts_private_key_is_read_as_ansible_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ansible_ssh_private_key_file`` (or ``ansible_private_key_file``) per host: ``~`` expanded, a
+    relative path taken from the working directory, kept absolute in the fleet (the controller reads it
+    later, from elsewhere)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    inv = tmp_path / "hosts.ini"
+    inv.write_text(
+        "[gpu_nodes]\n"
+        "a ansible_ssh_private_key_file=~/.ssh/site_a\n"
+        "b ansible_private_key_file=keys/site_b\n"
+        "c\n"
+    )
+    nodes = {n.name: n for n in load_fleet(inv).nodes}
+    assert nodes["a"].ssh_key_file == str(tmp_path / "home" / ".ssh" / "site_a")
+    assert nodes["b"].ssh_key_file == str(tmp_path / "keys" / "site_b")
+    assert nodes["c"].ssh_key_file is None
+    # A fleet file keeps it.
+    again = Fleet.model_validate_json(Fleet(nodes=list(nodes.values())).model_dump_json())
+    assert {n.name: n.ssh_key_file for n in again.nodes} == {k: v.ssh_key_file for k, v in nodes.items()}
