@@ -6,7 +6,9 @@ holders). Each target copies into ``.<digest>.partial`` next to the final direct
 partial file left by an interrupted copy, checks everything against the manifest sent from here
 (``sha256sum --check``), re-fetches whole any file that fails, and only then renames the directory into
 place: an engine never sees a partial or corrupted copy. Node-to-node SSH uses a key pair made for this one
-distribution, authorised on the nodes for its duration only.
+distribution, authorised on the nodes for its duration only, and checks each source's host key: the keys
+are read from every node over this machine's own SSH connection to it and handed to the targets as their
+only known hosts, so a node on the private network answering in a source's place is refused.
 
 Every peer works as root: the key goes into root's ``authorized_keys`` and nodes copy from each other as
 root. Callers give a node reached as another user its copy some other way (``llmctl deploy`` copies to it
@@ -147,10 +149,40 @@ def _seed(peer: Peer, local: Path, files: dict[str, int], dest: PurePosixPath) -
     return copied
 
 
+def _host_alias(peer: Peer) -> str:
+    """The name a peer's host keys are known by on the targets (``HostKeyAlias``): not its address, which
+    may be shared, forwarded or given with a port."""
+    return f"sarv-peer-{peer.name}"
+
+
+# The public halves of the keys sshd really uses (``sshd -T``), else the usual files.
+_HOST_KEYS_COMMAND = (
+    "keys=$(sshd -T 2>/dev/null | sed -n 's/^hostkey //p'); "
+    'for k in ${keys:-/etc/ssh/ssh_host_*_key}; do [ -r "$k.pub" ] && cat "$k.pub"; done; true'
+)
+
+
+def _known_hosts(peers: Sequence[Peer]) -> str:
+    """A known_hosts file naming each peer's host keys under its alias, read over this machine's SSH."""
+    lines = []
+    for peer in peers:
+        _, out = _run(peer, _HOST_KEYS_COMMAND, what="reading its SSH host keys")
+        keys = [line.split()[:2] for line in out.splitlines() if len(line.split()) >= 2]
+        if not keys:
+            raise WeightsError(
+                f"node {peer.name}: no SSH host key found (sshd -T hostkey, /etc/ssh/ssh_host_*_key.pub)",
+                hint="node-to-node copies check the source's host key; make sshd's public host keys "
+                "readable there, or give that node its copy from here",
+            )
+        lines += [f"{_host_alias(peer)} {kind} {key}" for kind, key in keys]
+    return "\n".join(lines) + "\n"
+
+
 def _pull_script(
     source: Peer, files: dict[str, int], src: PurePosixPath, work: PurePosixPath, key: str
 ) -> str:
-    """Shell run on the target: append what each partial file lacks, from the source node."""
+    """Shell run on the target: append what each partial file lacks, from the source node, whose host key
+    must be the one in ``<key>.known_hosts``."""
     ssh = shlex.join(
         [
             "ssh",
@@ -161,9 +193,13 @@ def _pull_script(
             "-o",
             "BatchMode=yes",
             "-o",
-            "StrictHostKeyChecking=no",
+            "StrictHostKeyChecking=yes",
             "-o",
-            "UserKnownHostsFile=/dev/null",
+            f"UserKnownHostsFile={key}.known_hosts",
+            "-o",
+            "GlobalKnownHostsFile=/dev/null",
+            "-o",
+            f"HostKeyAlias={_host_alias(source)}",
             "-o",
             "LogLevel=ERROR",
             f"{source.ssh_user}@{source.private_address}",
@@ -291,6 +327,8 @@ def _spread(
             timeout=60,
         )
         pub = keyfile.with_suffix(".pub").read_text().strip()
+        known = Path(tmp) / "known_hosts"
+        known.write_text(_known_hosts(everyone))
         remote_key = f"/root/.ssh/{tag}"
         try:
             for peer in everyone:
@@ -300,7 +338,8 @@ def _spread(
                 )
             for peer in pending:
                 _put(peer, keyfile, remote_key, "the distribution's SSH key")
-                _run(peer, f"chmod 600 {remote_key}")
+                _put(peer, known, f"{remote_key}.known_hosts", "the peers' host keys")
+                _run(peer, f"chmod 600 {remote_key} {remote_key}.known_hosts")
             while pending:
                 # A tree pairs each holder with one target per round; the baseline sends all from one.
                 sources = holders if tree else holders[:1] * len(pending)
@@ -326,6 +365,7 @@ def _spread(
             for peer in everyone:
                 _run(
                     peer,
-                    f"rm -f {remote_key}; sed -i '/ {tag}$/d' /root/.ssh/authorized_keys",
+                    f"rm -f {remote_key} {remote_key}.known_hosts; "
+                    f"sed -i '/ {tag}$/d' /root/.ssh/authorized_keys",
                     check=False,
                 )

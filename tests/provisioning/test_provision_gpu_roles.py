@@ -231,20 +231,22 @@ def test_molecule_vm_scenario(role: str, tmp_path: Path) -> None:
     need_binary("qemu-system-x86_64")
     image_dir()
     ephemeral = tmp_path / "molecule"
-    out = subprocess.run(
-        [_tool("molecule"), "test"],
-        cwd=REPO / "roles" / role,
-        env=_env(MOLECULE_EPHEMERAL_DIRECTORY=str(ephemeral)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=2200,
-        check=False,
-    )
-    # `molecule test` destroys on failure too; a run killed before that leaves its VM host to this.
-    subprocess.run(
-        [REPO / "scripts" / "testbed-vm", "down", str(ephemeral / "vms")], timeout=120, check=False
-    )
+    try:
+        out = subprocess.run(
+            [_tool("molecule"), "test"],
+            cwd=REPO / "roles" / role,
+            env=_env(MOLECULE_EPHEMERAL_DIRECTORY=str(ephemeral)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=2200,
+            check=False,
+        )
+    finally:
+        # `molecule test` destroys on failure too; a run stopped before that (a timeout) leaves it to this.
+        subprocess.run(
+            [REPO / "scripts" / "testbed-vm", "down", str(ephemeral / "vms")], timeout=120, check=False
+        )
     rc = out.returncode
     assert rc == 0, f"molecule test failed for roles/{role}:\n{_tail(out.stdout, 150)}"
     print(_tail(out.stdout, 40))

@@ -3,14 +3,16 @@
 One module-scoped deploy (the ``sim`` engine with the generated ``sarv-tiny``, a replica per host) is shared
 by the assertions on its progress output, the hosts' caches and the replicas; a second deploy then finds
 the copies and moves nothing, and a third finds a copy altered together with its manifest and replaces it.
-A last deploy, into another cache, meets a node-to-node copy that arrives corrupted every time and must
-fail, name the node, publish nothing there and roll back.
+Two last deploys, each into another cache, must fail, name the node, publish nothing there and roll back:
+one meets a node-to-node copy that arrives corrupted every time, the other sources whose host keys are not
+the ones read from them.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -195,6 +197,19 @@ def test_a_copy_altered_with_its_manifest_is_not_taken_for_a_verified_one(spread
     host.exec(f"cd {model_dir} && sha256sum --check --quiet {MANIFEST_NAME}")
 
 
+def _deploy_then_undo(spread: Spread, cache: str, name: str, undo: str) -> subprocess.CompletedProcess[str]:
+    """``llmctl deploy`` of three sim replicas into ``cache``, then ``undo`` run on every host however
+    the deploy ended."""
+    try:
+        cli = LlmctlEnv(home=spread.cli.home, env={**spread.cli.env, "SARV_REMOTE_MODEL_CACHE": cache})
+        return cli.llmctl(
+            "deploy", "sarv-tiny", "--name", name, "--engine", "sim", "--replicas", "3", timeout=300
+        )
+    finally:
+        for h in spread.hosts:
+            h.exec(undo)
+
+
 def test_a_copy_corrupted_on_the_way_fails_the_deploy_and_is_never_used(spread: Spread) -> None:
     cache = f"{spread.cache}-corrupt"
     # Every node-to-node copy arrives altered (the nodes' ssh client is shadowed); the seed's copy from
@@ -202,14 +217,7 @@ def test_a_copy_corrupted_on_the_way_fails_the_deploy_and_is_never_used(spread: 
     shadow = '#!/bin/sh\n/usr/bin/ssh "$@" | tr a b\n'
     for h in spread.hosts:
         h.write_file("/usr/local/bin/ssh", shadow, mode="0755")
-    try:
-        cli = LlmctlEnv(home=spread.cli.home, env={**spread.cli.env, "SARV_REMOTE_MODEL_CACHE": cache})
-        failed = cli.llmctl(
-            "deploy", "sarv-tiny", "--name", "spread-bad", "--engine", "sim", "--replicas", "3", timeout=300
-        )
-    finally:
-        for h in spread.hosts:
-            h.exec("rm -f /usr/local/bin/ssh")
+    failed = _deploy_then_undo(spread, cache, "spread-bad", undo="rm -f /usr/local/bin/ssh")
     assert failed.returncode == 6, failed.stderr
     assert "Traceback" not in failed.stderr
     last = failed.stderr.strip().splitlines()[-1]
@@ -231,3 +239,35 @@ def test_a_copy_corrupted_on_the_way_fails_the_deploy_and_is_never_used(spread: 
         assert not units, (h.name, units)
     status = spread.cli.llmctl("status", "-o", "json")
     assert "spread-bad" not in {d["name"] for d in json.loads(status.stdout)["deployments"]}
+
+
+def test_a_source_whose_host_key_is_not_the_one_read_is_refused(spread: Spread) -> None:
+    """Node-to-node copies check the source's host key against the keys read from each node over this
+    machine's SSH. Here every node's public host key files are replaced by another key's (sshd still
+    serves its own): to the targets, each source now answers with a key that is not the one on record,
+    as a machine answering in its place on the private network would, and no copy is made."""
+    cache = f"{spread.cache}-hostkey"
+    save = "for f in /etc/ssh/ssh_host_*_key.pub; do cp -p $f $f.sarv-test; done"
+    forge = (
+        "rm -f /tmp/other && ssh-keygen -q -t ed25519 -N '' -f /tmp/other && "
+        "for f in /etc/ssh/ssh_host_*_key.pub; do cp /tmp/other.pub $f; done"
+    )
+    restore = (
+        "for f in /etc/ssh/ssh_host_*_key.pub.sarv-test; do mv $f ${f%.sarv-test}; done; rm -f /tmp/other*"
+    )
+    for h in spread.hosts:
+        h.exec(f"{save} && {forge}")
+    failed = _deploy_then_undo(spread, cache, "spread-key", undo=restore)
+    assert failed.returncode == 6, failed.stderr
+    assert "Traceback" not in failed.stderr
+    last = failed.stderr.strip().splitlines()[-1]
+    match = re.search(r"error: node (\S+): copy from ([\w.-]+) failed: .*Host key verification failed", last)
+    assert match, last
+    assert "the deploy was rolled back" in last
+    _, seed = match.groups()
+    model_dir = spread.model_dir(cache)
+    for h in spread.hosts:
+        published = h.exec(f"test -e {model_dir}", check=False).returncode == 0
+        assert published == (h.name == seed), h.name
+        # The distribution's key and the host keys it handed out are gone.
+        assert not h.exec("ls /root/.ssh | grep '^sarv-weights-' || true").stdout.split(), h.name
