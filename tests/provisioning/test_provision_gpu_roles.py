@@ -190,6 +190,9 @@ def _molecule_test(role: str, **extra_env: str) -> None:
         [molecule, "test"],
         cwd=REPO / "roles" / role,
         env=_env(SARV_MOLECULE_INSTANCE=instance, **extra_env),
+        # Ansible refuses a non-blocking stdin, which a child killed at a timeout (ssh, QEMU) can leave
+        # behind on one this process shares.
+        stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -236,6 +239,7 @@ def test_molecule_vm_scenario(role: str, tmp_path: Path) -> None:
             [_tool("molecule"), "test"],
             cwd=REPO / "roles" / role,
             env=_env(MOLECULE_EPHEMERAL_DIRECTORY=str(ephemeral)),
+            stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -1,7 +1,9 @@
 """``scripts/testbed-vm``, the machine side of Molecule's VM driver: what it refuses without booting anything.
 
 Booting, SSH and tear-down through the driver run in
-``test_provision_gpu_roles.py::test_molecule_vm_scenario``.
+``test_provision_gpu_roles.py::test_molecule_vm_scenario``. Also here: the KVM probe that every VM boot
+starts with leaves its caller's standard input as it found it (Molecule runs after VM modules in one
+pytest process).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from fixtures.common import REPO, stop_process
+from fixtures.common import REPO, need_binary, stop_process
+from fixtures.vms import image_dir
 
 TESTBED_VM = REPO / "scripts" / "testbed-vm"
 
@@ -82,3 +85,31 @@ def test_down_leaves_a_directory_it_did_not_create_alone(tmp_path: Path) -> None
 def test_down_with_nothing_up_succeeds(tmp_path: Path) -> None:
     out = _run("down", str(tmp_path / "never-created"))
     assert (out.returncode, out.stderr) == (0, "")
+
+
+def test_the_kvm_probe_leaves_the_callers_stdin_blocking() -> None:
+    """The KVM probe's QEMU (serial on stdio) makes its stdin non-blocking and is killed when KVM hangs;
+    had it this process's stdin, every later child would inherit a non-blocking one, which Ansible (and so
+    Molecule) refuses outright."""
+    need_binary("qemu-system-x86_64")
+    image = image_dir()
+    try:
+        os.close(os.open("/dev/kvm", os.O_RDWR))
+    except OSError as e:
+        pytest.skip(f"/dev/kvm does not open here ({e}): the probe starts no QEMU")
+    probe = (
+        "import os, sys; from pathlib import Path; from fixtures.vms import _kvm_runs; "
+        f"_kvm_runs(Path({str(image)!r})); print(os.get_blocking(0))"
+    )
+    with open(os.devnull, "rb") as devnull:
+        out = subprocess.run(
+            [sys.executable, "-c", probe],
+            stdin=devnull,
+            capture_output=True,
+            text=True,
+            cwd=REPO / "tests",
+            timeout=60,
+            check=False,
+        )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True", "the probe left its caller's stdin non-blocking"
