@@ -1,7 +1,11 @@
-"""Fixture plugins shared by every test area (see tests/fixtures/), and one guard every test gets."""
+"""Fixture plugins shared by every test area (see tests/fixtures/), and two guards: a SIGTERM ends the run
+as Ctrl-C does, and standard input stays blocking from one test to the next."""
 
 import os
+import signal
+import threading
 from collections.abc import Iterator
+from types import FrameType
 
 import pytest
 
@@ -12,6 +16,18 @@ pytest_plugins = [
     "fixtures.vllm",
     "fixtures.fleets",  # after fixtures.vllm, which it imports
 ]
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A SIGTERM (a CI job cancelled, ``timeout``, ``kill``) ends the run as Ctrl-C does: pytest tears its
+    fixtures down, so the session's test-host containers, Docker networks, VMs and servers are removed
+    instead of outliving it, as they do when the process just dies."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
 
 
 @pytest.fixture(autouse=True)
