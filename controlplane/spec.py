@@ -572,6 +572,10 @@ class DeploymentRecord(_Model):
     """Set while ``llmctl deploy`` (or a scale) is landing weights and starting replicas, cleared when it
     is done: the controller leaves the deployment alone until then (wall clock; a crashed deploy's mark
     runs out), instead of starting replicas of its own for a plan whose replicas are not recorded yet."""
+    launching_by: str = ""
+    """Who set ``launching_until``: the lease holder of the controller whose scale is launching, empty for
+    ``llmctl``. A controller that holds the lease ignores another holder's mark: that controller lost the
+    lease (it died mid-scale), and its mark would otherwise keep the deployment unmanaged until it ran out."""
     created_at: float = 0.0
     updated_at: float = 0.0
 

@@ -182,6 +182,9 @@ class Deployer:
     """For replicas whose shards span several nodes; None refuses such plans with a clear error."""
     compat: CompatTable = field(default_factory=load_compat)
     """The GPU-generation table: which variants each replica's GPUs run, and the engine image."""
+    marker: str = ""
+    """What this deployer's launches record as ``DeploymentRecord.launching_by``: the controller sets its
+    lease holder id; empty for ``llmctl``."""
     _launchers: dict[str, Launcher] = field(default_factory=dict)
 
     # --- helpers
@@ -534,7 +537,9 @@ class Deployer:
             prepared = self._preflight(spec, model, plan, todo)
         # Desired state first (a crash from here on is visible), marked as being launched so that a
         # running controller does not start replicas of its own before these are recorded.
-        marked = record.model_copy(update={"launching_until": self.clock() + timeout + LAUNCH_MARK_S})
+        marked = record.model_copy(
+            update={"launching_until": self.clock() + timeout + LAUNCH_MARK_S, "launching_by": self.marker}
+        )
         self.store.put_deployment(marked)
         launched: list[_Launched] = []
         try:
@@ -547,7 +552,7 @@ class Deployer:
             self._rollback(spec, previous, launched)
             raise _rolled_back(spec, exc) from None
         current = self.store.get_deployment(spec.name) or marked
-        self.store.put_deployment(current.model_copy(update={"launching_until": 0.0}))
+        self.store.put_deployment(current.model_copy(update={"launching_until": 0.0, "launching_by": ""}))
         return [item.record for item in launched]
 
     def _launch_all(

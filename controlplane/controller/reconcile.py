@@ -359,6 +359,8 @@ class Reconciler:
     _unplaced: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Deployment → (retry at, last back-off) after a scale-up the planner could not place."""
     _exported: set[str] = field(default_factory=set)
+    _stale_marks: set[tuple[str, str]] = field(default_factory=set)
+    """(deployment, controller) launch marks already said to be ignored (see ``_managed``)."""
     """Deployments whose ``sarv_deployment_replicas`` series this controller has set."""
     _zero: ZeroScaler | None = None
 
@@ -430,6 +432,8 @@ class Reconciler:
         if replicas is None:
             return
         acting = self.config.act and self.deployer is not None
+        if self.deployer is not None and self.lease is not None:
+            self.deployer.marker = self.lease.holder  # its scales' launch marks name this controller
         managed = self._managed(deployments)
         if acting:
             with self._phase("wake", report):
@@ -470,13 +474,32 @@ class Reconciler:
 
     def _managed(self, deployments: list[DeploymentRecord]) -> list[DeploymentRecord]:
         """The deployments this pass may act on: not those a deploy or scale is still launching
-        (``DeploymentRecord.launching_until``); their replicas are probed and their state kept current."""
+        (``DeploymentRecord.launching_until``); their replicas are probed and their state kept current. The
+        mark of a scale by another controller (``launching_by``, its lease holder id) is not: that controller
+        lost the lease, so its launch ended with it, and this one takes the deployment over at once."""
         now = self.clock()
-        launching = [d.name for d in deployments if d.launching_until > now]
+        holder = self.lease.holder if self.lease is not None else ""
+        leading = self.lease is None or self._was_leader  # a standby leaves the leader's marks alone
+        launching: set[str] = set()
+        for d in deployments:
+            if d.launching_until <= now:
+                continue
+            if leading and d.launching_by and d.launching_by != holder:
+                if (d.name, d.launching_by) in self._stale_marks:
+                    continue
+                self._stale_marks.add((d.name, d.launching_by))
+                logger.info(
+                    "deployment %s: controller %s marked it as launching and no longer holds the lease; "
+                    "its mark is ignored",
+                    d.name,
+                    d.launching_by,
+                )
+                continue
+            launching.add(d.name)
         if not launching:
             return deployments
-        logger.debug("being launched, left alone this pass: %s", ", ".join(launching))
-        return [d for d in deployments if d.launching_until <= now]
+        logger.debug("being launched, left alone this pass: %s", ", ".join(sorted(launching)))
+        return [d for d in deployments if d.name not in launching]
 
     async def _act(
         self,
