@@ -182,23 +182,27 @@ def loop_device(tmp_path: Path) -> Iterator[str]:
         subprocess.run([losetup, "-d", device], capture_output=True, timeout=60, check=False)
 
 
-def _molecule_test(role: str, **extra_env: str) -> None:
-    _need_docker()
-    molecule = _tool("molecule")
-    instance = f"sarv-{role.replace('_', '-')}-{uuid.uuid4().hex[:8]}"
-    out = subprocess.run(
-        [molecule, "test"],
+def _molecule(role: str, timeout: float, **extra_env: str) -> subprocess.CompletedProcess[str]:
+    """``molecule test`` in ``roles/<role>``, its output (stdout and stderr) captured."""
+    return subprocess.run(
+        [_tool("molecule"), "test"],
         cwd=REPO / "roles" / role,
-        env=_env(SARV_MOLECULE_INSTANCE=instance, **extra_env),
+        env=_env(**extra_env),
         # Ansible refuses a non-blocking stdin, which a child killed at a timeout (ssh, QEMU) can leave
         # behind on one this process shares.
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        timeout=1500,
+        timeout=timeout,
         check=False,
     )
+
+
+def _molecule_test(role: str, **extra_env: str) -> None:
+    _need_docker()
+    instance = f"sarv-{role.replace('_', '-')}-{uuid.uuid4().hex[:8]}"
+    out = _molecule(role, 1500, SARV_MOLECULE_INSTANCE=instance, **extra_env)
     if out.returncode != 0:
         docker = shutil.which("docker")
         if docker:  # `molecule test` destroys on failure; make sure nothing of this run is left behind
@@ -235,17 +239,7 @@ def test_molecule_vm_scenario(role: str, tmp_path: Path) -> None:
     image_dir()
     ephemeral = tmp_path / "molecule"
     try:
-        out = subprocess.run(
-            [_tool("molecule"), "test"],
-            cwd=REPO / "roles" / role,
-            env=_env(MOLECULE_EPHEMERAL_DIRECTORY=str(ephemeral)),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=2200,
-            check=False,
-        )
+        out = _molecule(role, 2200, MOLECULE_EPHEMERAL_DIRECTORY=str(ephemeral))
     finally:
         # `molecule test` destroys on failure too; a run stopped before that (a timeout) leaves it to this.
         subprocess.run(
