@@ -107,6 +107,9 @@ class Settings(BaseSettings):
     ray_version: str | None = None
     """Ray version every node's venv must run for process engines (``sim``, ``vllm-cpu``) across nodes;
     None: any, as long as all nodes of a replica agree. Container engines run their image's own Ray."""
+    ray_join_timeout_s: float = Field(default=180.0, gt=0)
+    """How long a replica across nodes waits for its Ray cluster to form (the head up, then every member
+    joined), each; raise it where nodes start Ray slowly (a cold image cache, busy CPUs)."""
     model_store_url: str = ""
     """The site's model store (``common_model_store_url``; a loaded bundle's ``<mirror>/models``): weights of
     a variant with no other source are fetched from ``<model_store_url>/<model>/<variant>``."""
