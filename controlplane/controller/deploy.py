@@ -18,6 +18,7 @@ from controlplane.controller.events import record_event
 from controlplane.controller.health import PROBED_STATES, HealthRule, judge, probe_path
 from controlplane.engines.base import Engine, ReplicaContext, check_engine_args
 from controlplane.errors import LaunchError, NotFoundError, PlacementError, SarvError, UserError, WeightsError
+from controlplane.launchers import claim_handle
 from controlplane.launchers.base import Launcher, ProcessState, ReplicaProcess
 from controlplane.launchers.local import LocalLauncher
 from controlplane.settings import Settings
@@ -242,6 +243,25 @@ class Deployer:
             return self._replica_launcher(rec.shards) if rec.shards else self._launcher(rec.node)
         except LaunchError:
             return None
+
+    def _stoppable(self, rec: ReplicaRecord) -> tuple[Launcher, dict[str, str]] | None:
+        """The launcher and handle that stop ``rec``'s process; None when no launcher here reaches it.
+
+        A placed record without a handle was written before its launcher's start returned (see
+        :meth:`_launch_all`): the start is in flight, or the deploy making it was killed and whatever it
+        started runs on unrecorded. Its handle is then the one naming that by the replica's id
+        (:func:`~controlplane.launchers.claim_handle`)."""
+        if rec.handle:
+            launcher = self._launcher_for_record(rec)
+            return (launcher, rec.handle) if launcher is not None else None
+        if not rec.shards:
+            return None
+        try:
+            launcher = self._replica_launcher(rec.shards)
+        except LaunchError:
+            return None
+        claim = claim_handle(launcher, rec.id)
+        return (launcher, claim) if claim else None
 
     def _model_source(self, spec: DeploymentSpec, model: ModelSpec, variant: Quantization) -> str:
         """The weights of ``variant``: ``--source VARIANT=…``, then ``--source …``, then the catalog's, then
@@ -537,9 +557,7 @@ class Deployer:
             prepared = self._preflight(spec, model, plan, todo)
         # Desired state first (a crash from here on is visible), marked as being launched so that a
         # running controller does not start replicas of its own before these are recorded.
-        marked = record.model_copy(
-            update={"launching_until": self.clock() + timeout + LAUNCH_MARK_S, "launching_by": self.marker}
-        )
+        marked = self._marked(record, timeout + LAUNCH_MARK_S)
         self.store.put_deployment(marked)
         launched: list[_Launched] = []
         try:
@@ -551,9 +569,19 @@ class Deployer:
         except BaseException as exc:
             self._rollback(spec, previous, launched)
             raise _rolled_back(spec, exc) from None
-        current = self.store.get_deployment(spec.name) or marked
-        self.store.put_deployment(current.model_copy(update={"launching_until": 0.0, "launching_by": ""}))
+        self._unmark(marked)
         return [item.record for item in launched]
+
+    def _marked(self, record: DeploymentRecord, for_s: float) -> DeploymentRecord:
+        """``record`` marked as being launched by this deployer for ``for_s`` seconds from now: the
+        controller leaves it alone meanwhile, and heals no replica of it that is still starting."""
+        until = self.clock() + for_s
+        return record.model_copy(update={"launching_until": until, "launching_by": self.marker})
+
+    def _unmark(self, marked: DeploymentRecord) -> None:
+        """Clear the launch mark of ``marked``'s deployment as stored now (the launch may have changed it)."""
+        current = self.store.get_deployment(marked.name) or marked
+        self.store.put_deployment(current.model_copy(update={"launching_until": 0.0, "launching_by": ""}))
 
     def _launch_all(
         self,
@@ -632,7 +660,6 @@ class Deployer:
                 engine=spec.engine,
                 shards=rplan.shards,
                 node=shard0.node,
-                endpoint=f"http://{launcher.host}:{chosen}",
                 state=ReplicaState.STARTING,
                 adapters=[a.name for a in spec.lora_adapters],
                 weights=f"{model.name}/{PurePath(model_dir).name}" if model_dir else None,
@@ -642,7 +669,18 @@ class Deployer:
                 updated_at=now,
             )
             self._say(replica_id, f"{replica_id}: starting {spec.engine.value} on {shard0.node}:{chosen}")
-            rec.handle = launcher.start(replica_id, launch)
+            # Recorded before it starts, without a handle or an endpoint (nothing probes it, nothing routes
+            # to it): a deploy killed between the start and the next write leaves this record, not an
+            # engine nobody knows of, and the controller stops whatever runs under the replica's name
+            # (Reconciler._heal) instead of starting a second engine beside it.
+            self.store.put_replica(rec)
+            try:
+                handle = launcher.start(replica_id, launch)
+            except BaseException:
+                # A start that raises leaves nothing running (each launcher cleans up after itself).
+                self.store.delete_replica(replica_id)
+                raise
+            rec = rec.model_copy(update={"handle": handle, "endpoint": f"http://{launcher.host}:{chosen}"})
             launched.append(_Launched(rec, launcher))
             self.store.put_replica(rec)
 
@@ -795,9 +833,7 @@ class Deployer:
             self.sleep(1.0)
 
     def _stop_and_forget(self, rec: ReplicaRecord) -> None:
-        launcher = self._launcher_for_record(rec)
-        if launcher is not None and rec.handle:
-            launcher.stop(rec.handle)
+        self.stop_process(rec)
         self.store.delete_replica(rec.id)
 
     def check_reach(self, replicas: list[ReplicaRecord], command: str) -> None:
@@ -811,12 +847,10 @@ class Deployer:
 
     def stop_replica(self, rec: ReplicaRecord) -> None:
         """Mark ``rec`` stopping, stop its process (when it has one) and remove its record."""
-        launcher = self._launcher_for_record(rec)
         rec.state, rec.updated_at = ReplicaState.STOPPING, self.clock()
         self.store.put_replica(rec)
         self._say(rec.id, f"{rec.id}: stopping")
-        if launcher is not None and rec.handle:
-            launcher.stop(rec.handle)
+        self.stop_process(rec)
         self.store.delete_replica(rec.id)
 
     def _rollback(
@@ -849,10 +883,12 @@ class Deployer:
 
     def stop_process(self, rec: ReplicaRecord) -> None:
         """Stop the replica's process and leave the store alone (its record may already name a successor
-        with the same id), where a launcher here can reach it."""
-        launcher = self._launcher_for_record(rec)
-        if launcher is not None and rec.handle:
-            launcher.stop(rec.handle)
+        with the same id), where a launcher here can reach it. A record without a handle (its start never
+        returned one) has whatever runs under its name stopped."""
+        stoppable = self._stoppable(rec)
+        if stoppable is not None:
+            launcher, handle = stoppable
+            launcher.stop(handle)
 
     def relaunch(self, name: str, index: int, *, avoid: frozenset[str] = frozenset()) -> ReplicaRecord:
         """Start replica ``index`` of ``name`` again, without waiting for it to load; its old process is
@@ -904,7 +940,12 @@ class Deployer:
         slots[index] = placement
         plan = record.plan.model_copy(update={"replicas": slots})
         prepared = self._preflight(spec, model, plan, [index])
-        self.store.put_deployment(record.model_copy(update={"plan": plan, "updated_at": self.clock()}))
+        # Marked while it launches (``llmctl rollout`` calls this too): the controller must not take the
+        # replica, recorded before its start returns, for one a killed launch left behind.
+        marked = self._marked(
+            record.model_copy(update={"plan": plan, "updated_at": self.clock()}), LAUNCH_MARK_S
+        )
+        self.store.put_deployment(marked)
         launched: list[_Launched] = []
         try:
             self._launch_all(
@@ -915,6 +956,8 @@ class Deployer:
                 item.launcher.stop(item.record.handle)
                 self.store.delete_replica(item.record.id)
             raise
+        finally:
+            self._unmark(marked)
         return launched[0].record
 
     def _replace_placement(

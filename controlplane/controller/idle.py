@@ -250,19 +250,8 @@ class ZeroScaler:
         return True
 
     async def _restart(self, rec: ReplicaRecord) -> None:
-        deployer = self.owner.deployer
-        if deployer is None:
-            return
-        try:
-            await asyncio.to_thread(deployer.relaunch, rec.deployment, rec.index)
-        except SarvError as exc:
-            self.owner._event(
-                "RestartFailed",
-                f"{rec.id}: {exc.message}",
-                deployment=rec.deployment,
-                obj=f"replica/{rec.id}",
-                warning=True,
-            )
+        if self.owner.deployer is not None:
+            await self.owner._relaunch(rec)  # a failure is told (RestartFailed) and left to healing
 
     def _ready(self, dep: DeploymentRecord) -> None:
         """The deployment serves again: clear its zero mark, restart its idle run."""

@@ -963,7 +963,9 @@ class Reconciler:
         from controlplane.controller.deploy import LEAVING_STATES
 
         todo = [r for r in replicas if r.deployment in known and r.state not in LEAVING_STATES]
-        polled = await asyncio.gather(*(self._poll(r) for r in todo))
+        polled = await asyncio.gather(
+            *(self._stop_unstarted(r) if _unstarted(r) else self._poll(r) for r in todo)
+        )
         polls = {r.id: p for r, p in zip(todo, polled, strict=True)}
         lost = await self._watch_nodes(replicas, probes, polls)
         out: list[ReplicaRecord] = []
@@ -972,6 +974,8 @@ class Reconciler:
                 out.append(rec)
             elif rec.node in lost and not self._crashes.get(rec.id, CrashRecord()).crash_loop:
                 out.append(await self._reschedule(rec, lost, report))
+            elif _unstarted(rec):
+                out.append(await self._start_again(rec, polls[rec.id], report))
             else:
                 out.append(await self._heal_one(rec, polls[rec.id], report))
         for rid in [k for k in self._crashes if k not in {r.id for r in out}]:
@@ -989,6 +993,67 @@ class Reconciler:
             return await asyncio.to_thread(deployer.poll, rec)
         except SarvError as exc:
             return exc
+
+    async def _stop_unstarted(self, rec: ReplicaRecord) -> ReplicaProcess | SarvError | None:
+        """Stop whatever runs under the name of ``rec``, a replica whose start never recorded its handle.
+
+        Such a record is written just before the launcher starts the engine; in a deployment this pass
+        manages, the launch that wrote it is over (a launch in flight marks its deployment, and this
+        controller's own are awaited within its passes): it was killed, and its engine may run on
+        unrecorded. Returns what :meth:`_poll` would (its node answered: gone now; or the node's error)."""
+        deployer = self.deployer
+        if deployer is None:
+            return None
+        try:
+            await asyncio.to_thread(deployer.stop_process, rec)
+        except SarvError as exc:
+            return exc
+        return ReplicaProcess(state=ProcessState.GONE, detail="stopped by name: its start was never recorded")
+
+    async def _start_again(
+        self, rec: ReplicaRecord, stopped: ReplicaProcess | SarvError | None, report: PassReport
+    ) -> ReplicaRecord:
+        """Start ``rec`` again in its slot once :meth:`_stop_unstarted` stopped what ran under its name;
+        while its node does not answer, the record stays (the node's grace period then moves it)."""
+        if self.deployer is None or not isinstance(stopped, ReplicaProcess):
+            return rec
+        new = await self._relaunch(rec)
+        if new is None:
+            # Nothing runs under its name now: without its record the replica is one short, which
+            # scaling makes up (with its own back-off), instead of a stop and a failed start every pass.
+            left = self.store.get_replica(rec.id)
+            if left is not None and _unstarted(left):
+                self.store.delete_replica(rec.id)
+            return rec
+        message = (
+            f"{rec.id} was left starting by a launch that ended before recording it; what ran under its "
+            "name was stopped and it started again"
+        )
+        self._restarted(rec, "unfinished-start", message, report)
+        return new
+
+    async def _relaunch(self, rec: ReplicaRecord) -> ReplicaRecord | None:
+        """``Deployer.relaunch`` of ``rec`` (its slot, not awaited); None when it failed (event
+        ``RestartFailed``)."""
+        deployer = self.deployer
+        assert deployer is not None
+        try:
+            return await asyncio.to_thread(deployer.relaunch, rec.deployment, rec.index)
+        except SarvError as exc:
+            self._event(
+                "RestartFailed",
+                f"{rec.id}: {exc.message}",
+                deployment=rec.deployment,
+                obj=f"replica/{rec.id}",
+                warning=True,
+            )
+            return None
+
+    def _restarted(self, rec: ReplicaRecord, reason: str, message: str, report: PassReport) -> None:
+        """Count and tell a restart (``sarv_controller_replica_restarts`` by ``reason``; event Restarted)."""
+        self.metrics.restarts.labels(rec.deployment, reason).inc()
+        report.restarted.append(rec.id)
+        self._event("Restarted", message, deployment=rec.deployment, obj=f"replica/{rec.id}", warning=True)
 
     async def _heal_one(
         self, rec: ReplicaRecord, proc: ReplicaProcess | SarvError | None, report: PassReport
@@ -1037,33 +1102,18 @@ class Reconciler:
     async def _restart(
         self, rec: ReplicaRecord, record: CrashRecord, code: int | None, report: PassReport
     ) -> ReplicaRecord:
-        deployer = self.deployer
-        assert deployer is not None
         exit_code = f" (exit code {code})" if code is not None else ""
-        try:
-            new = await asyncio.to_thread(deployer.relaunch, rec.deployment, rec.index)
-        except SarvError as exc:
+        new = await self._relaunch(rec)
+        if new is None:
             self._crashes[rec.id] = crash_seen(self.config.healing, record, self.monotonic())
-            self._event(
-                "RestartFailed",
-                f"{rec.id}: {exc.message}",
-                deployment=rec.deployment,
-                obj=f"replica/{rec.id}",
-                warning=True,
-            )
             return rec
         self._seen_restarts[rec.id] = 0
         self._crashes[rec.id] = CrashRecord(record.crashes)
-        self.metrics.restarts.labels(rec.deployment, "crash").inc()
-        report.restarted.append(rec.id)
-        self._event(
-            "Restarted",
+        message = (
             f"{rec.id} crashed{exit_code}; started again (crash {record.count} in "
-            f"{self.config.healing.crash_loop_window_s:.0f} s)",
-            deployment=rec.deployment,
-            obj=f"replica/{rec.id}",
-            warning=True,
+            f"{self.config.healing.crash_loop_window_s:.0f} s)"
         )
+        self._restarted(rec, "crash", message, report)
         return new
 
     async def _give_up(self, rec: ReplicaRecord, record: CrashRecord, code: int | None) -> ReplicaRecord:
@@ -1262,6 +1312,11 @@ def _pending_reasons(replicas: list[ReplicaRecord]) -> dict[str, int]:
             reason = "".join(c if c.isalnum() else "_" for c in head)[:32]
             out[reason] = out.get(reason, 0) + 1
     return out
+
+
+def _unstarted(rec: ReplicaRecord) -> bool:
+    """A replica recorded before its launcher's start returned: starting, placed, and with no handle."""
+    return rec.state is ReplicaState.STARTING and not rec.handle and bool(rec.shards)
 
 
 def _replica_load(rec: ReplicaRecord, probe: ProbeResult | None) -> ReplicaLoad:

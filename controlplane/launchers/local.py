@@ -51,6 +51,24 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def _groups_in(run: Path) -> set[int]:
+    """Process groups with a process working in ``run`` (a replica's run directory: every process a
+    start leaves there keeps it, see :meth:`LocalLauncher.start`)."""
+    where = os.path.realpath(run)
+    groups: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cwd = os.readlink(entry / "cwd")
+        except OSError:  # gone meanwhile, or another user's
+            continue
+        ident = process_identity(int(entry.name))
+        if cwd == where and ident is not None and ident[0] != "Z":
+            groups.add(ident[1])
+    return groups
+
+
 def _supervisor_status(handle: dict[str, str]) -> tuple[int, int | None]:
     """``(restarts, last exit code)`` from the supervisor's status file; ``(0, None)`` when unsupervised."""
     path = handle.get("status")
@@ -210,6 +228,12 @@ class LocalLauncher:
         return ReplicaProcess(state=ProcessState.RUNNING, restarts=restarts, exit_code=last)
 
     def stop(self, handle: dict[str, str], *, timeout: float = 30.0) -> None:
+        if not handle.get("pid") and handle.get("run_dir"):
+            # A claim (launchers.claim_handle): whatever a start whose handle was lost left running.
+            for group in sorted(_groups_in(Path(handle["run_dir"]))):
+                ident = process_identity(group)
+                self.stop({"pid": str(group), "start_time": ident[2] if ident else ""}, timeout=timeout)
+            return
         pid, how = self._identity(handle)
         if how == "reused":
             return
