@@ -305,6 +305,15 @@ def distribute(
     return [results[p.name] for p in peers]
 
 
+# The distribution's key appended to root's authorized_keys on its own line: a file whose last line has no
+# newline would otherwise run that line and the key together, and removing the key by its tag afterwards
+# would remove the line before it too (an operator's key).
+_AUTHORIZE = (
+    "mkdir -p -m 700 /root/.ssh && f=/root/.ssh/authorized_keys && "
+    'if [ -s "$f" ] && [ -n "$(tail -c 1 "$f")" ]; then echo >> "$f"; fi && echo {pub} >> "$f"'
+)
+
+
 def _spread(
     *,
     local: Path,
@@ -332,10 +341,7 @@ def _spread(
         remote_key = f"/root/.ssh/{tag}"
         try:
             for peer in everyone:
-                _run(
-                    peer,
-                    f"mkdir -p -m 700 /root/.ssh && echo {shlex.quote(pub)} >> /root/.ssh/authorized_keys",
-                )
+                _run(peer, _AUTHORIZE.format(pub=shlex.quote(pub)))
             for peer in pending:
                 _put(peer, keyfile, remote_key, "the distribution's SSH key")
                 _put(peer, known, f"{remote_key}.known_hosts", "the peers' host keys")

@@ -89,7 +89,7 @@ def spread(tmp_path_factory: pytest.TempPathFactory, spread_hosts: list[TestHost
             local=tmp / "home" / "models" / "_generated" / "sarv-tiny",
         )
     finally:
-        for name in ("spread-a", "spread-b", "spread-c"):
+        for name in ("spread-a", "spread-b", "spread-c", "spread-nl"):
             cli.llmctl("undeploy", name, timeout=120)
         for h in spread_hosts:
             left = h.exec("ls /etc/systemd/system | grep '^sarv-spread' || true").stdout.split()
@@ -271,3 +271,30 @@ def test_a_source_whose_host_key_is_not_the_one_read_is_refused(spread: Spread) 
         assert published == (h.name == seed), h.name
         # The distribution's key and the host keys it handed out are gone.
         assert not h.exec("ls /root/.ssh | grep '^sarv-weights-' || true").stdout.split(), h.name
+
+
+def test_an_authorized_keys_file_without_a_final_newline_keeps_its_last_key(spread: Spread) -> None:
+    """A node whose root ``authorized_keys`` ends without a newline (a hand-edited file): the distribution's
+    key goes on a line of its own, so the node-to-node copies authenticate with it, and removing it
+    afterwards leaves the operator's key in place."""
+    keys = "/root/.ssh/authorized_keys"
+    before = {h.name: h.exec(f"cat {keys}").stdout for h in spread.hosts}
+    cli = LlmctlEnv(
+        home=spread.cli.home, env={**spread.cli.env, "SARV_REMOTE_MODEL_CACHE": f"{spread.cache}-nl"}
+    )
+    try:
+        for h in spread.hosts:
+            h.exec(f"cp -p {keys} {keys}.sarv-test && printf '%s' \"$(cat {keys}.sarv-test)\" > {keys}")
+        deployed = cli.llmctl(
+            "deploy", "sarv-tiny", "--name", "spread-nl", "--engine", "sim", "--replicas", "3", timeout=300
+        )
+        assert deployed.returncode == 0, deployed.stderr
+        sources = dict(m.groups() for line in deployed.stderr.splitlines() if (m := _COPYING.search(line)))
+        assert [s for s in sources.values() if not s.startswith("here")], deployed.stderr  # node to node
+        for h in spread.hosts:
+            # The operator's lines are all there, each whole; the distribution's key is gone.
+            assert h.exec(f"cat {keys}").stdout == before[h.name], h.name
+    finally:
+        cli.llmctl("undeploy", "spread-nl", timeout=120)
+        for h in spread.hosts:
+            h.exec(f"mv {keys}.sarv-test {keys}")
