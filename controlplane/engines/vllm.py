@@ -142,6 +142,10 @@ class VllmEngine:
             *self._hardening(),
             "--shm-size",
             self.shm_size,
+            # The driver joins the head member's IPC namespace (Ray's object store in /dev/shm); Docker
+            # refuses to join a container's IPC unless that container made it shareable.
+            "--ipc",
+            "shareable",
             # An anonymous volume for the member's Ray session, which the driver container mounts
             # with --volumes-from (its sockets live there).
             "--volume",

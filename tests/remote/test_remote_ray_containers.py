@@ -2,18 +2,25 @@
 
 What runs here: the real ``VllmEngine`` argv, the real ``RayLauncher`` sequencing and the real systemd unit
 rendering, on stand-in nodes that record the files written and the commands run instead of using SSH.
-What does not: the members' containers. A container test host cannot run containers (Docker in a container
-needs --privileged, refused here); a single-node ``vllm`` replica's container runs for real on a VM node
-with a stand-in image (tests/provisioning/test_provision_vm_docker.py), but that image has no Ray, so only a
-GPU fleet shows the members join and NCCL use the planned GPUs; ``tests/remote/test_remote_ray.py`` runs the
-same launcher with real units on two container hosts for the process engines.
+The members' and the driver's container options also run on this machine's Docker (the driver joining the
+head member's IPC and Ray session). Not here: the containers on two nodes. A container test host cannot run
+containers (Docker in a container needs --privileged, refused here); the whole replica, members joined into
+one Ray cluster across two VM nodes and the driver serving, runs in
+tests/provisioning/test_provision_vm_pipeline.py (opt-in), and only a GPU fleet shows NCCL use the planned
+GPUs; ``tests/remote/test_remote_ray.py`` runs the same launcher with real units on two container hosts for
+the process engines.
 """
 
 from __future__ import annotations
 
 import shlex
+import subprocess
+import uuid
 from pathlib import Path, PurePosixPath
 
+import pytest
+from fixtures.common import need
+from fixtures.testhosts import IMAGE as TESTHOST_IMAGE
 from pydantic import SecretStr
 
 from controlplane.engines.base import ReplicaContext
@@ -131,3 +138,51 @@ def test_members_driver_and_teardown_of_a_two_node_container_replica() -> None:
     RayLauncher([g1, g2]).stop(handle)
     assert g1.removed == ["sarv-big-0.service", "sarv-big-0-ray-head.service"]
     assert g2.removed == ["sarv-big-0-ray-worker.service"]
+
+
+def _on_this_docker(argv: list[str], name: str, command: list[str]) -> list[str]:
+    """A member's or the driver's ``docker run`` as built, run here: detached, under ``name``, without the
+    GPU request (no device driver here), the engine image and its command replaced by the test host image
+    and ``command``, the weights' bind mount left out."""
+    i = argv.index(IMAGE)
+    options, out = argv[2 : i - 2], ["docker", "run", "--detach"]  # up to --entrypoint X
+    skip = {"--gpus", "--name", "--volume", "--restart"}
+    j = 0
+    while j < len(options):
+        if options[j] in skip:
+            if options[j] == "--volume" and ":" not in options[j + 1]:
+                out += options[j : j + 2]  # the member's anonymous /tmp/ray volume stays
+            j += 2
+            continue
+        out.append(options[j])
+        j += 1
+    return [*out, "--name", name, TESTHOST_IMAGE, *command]
+
+
+@pytest.mark.docker
+def test_the_driver_container_joins_the_head_members_ipc_and_ray_session_on_docker() -> None:
+    """Docker accepts the driver's ``--ipc container:<head>`` and ``--volumes-from <head>`` against the
+    head member as the engine builds it: the driver sees the member's /dev/shm and its /tmp/ray."""
+    need(subprocess.run(["docker", "info"], capture_output=True, check=False).returncode == 0,
+         "no Docker daemon (scripts/test starts dockerd)")  # fmt: skip
+    launch = VllmEngine().build(_ctx())
+    suffix = uuid.uuid4().hex[:8]
+    head, driver = f"sarv-ipc-head-{suffix}", f"sarv-ipc-driver-{suffix}"
+    member = [a.replace("{name}", head).replace("{gpus}", "GPU-a0") for a in launch.ray_member_argv]
+    member_run = _on_this_docker([*member, "start"], head, ["sh", "-c", "echo up > /dev/shm/mark; "
+                                 "echo session > /tmp/ray/mark; sleep 120"])  # fmt: skip
+    driver_argv = [a.replace("sarv-big-0-ray-head", head) for a in launch.argv]
+    driver_run = _on_this_docker(driver_argv, driver, ["sh", "-c", "cat /dev/shm/mark /tmp/ray/mark"])
+    try:
+        subprocess.run(member_run, check=True, capture_output=True, text=True, timeout=120)
+        started = subprocess.run(driver_run, capture_output=True, text=True, timeout=120, check=False)
+        assert started.returncode == 0, started.stderr
+        subprocess.run(["docker", "wait", driver], check=True, capture_output=True, timeout=120)
+        logs = subprocess.run(
+            ["docker", "logs", driver], capture_output=True, text=True, timeout=60, check=True
+        )
+        assert logs.stdout.split() == ["up", "session"]
+    finally:
+        subprocess.run(
+            ["docker", "rm", "-f", "-v", driver, head], capture_output=True, timeout=120, check=False
+        )

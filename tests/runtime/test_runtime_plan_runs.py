@@ -286,6 +286,8 @@ def test_a_replica_spanning_two_nodes_runs_as_a_ray_cluster_of_engine_containers
     assert member[-2:] == ["ray", f"vllm/vllm-openai:{load_compat().by_name('ampere').image.tag}"]
     assert _flag(member, "--gpus") == '"device={gpus}"' and _flag(member, "--name") == "{name}"
     assert _flag(member, "--network") == "host" and "no-new-privileges:true" in member
+    # The driver joins the head's IPC (--ipc container:…): Docker refuses that unless the head shares it.
+    assert _flag(member, "--ipc") == "shareable"
     assert [c for launcher in launchers for c in launcher.copied] == [spec.source]
     deployer.store.close()
 
