@@ -43,6 +43,8 @@ import pytest
 from fixtures.ansible import tail
 from fixtures.common import free_port
 from fixtures.engine_stand_in import (
+    DOCKER_GPU_NODE_PLAY,
+    ENGINE_IMAGE,
     STAND_IN_LABEL,
     STAND_IN_LOG,
     build_engine_image,
@@ -62,16 +64,7 @@ __all__ = ["gateway_factory"]  # the fixture, used by name
 # In the whole run (scripts/test runs it beside the main pytest process), see docs/provisioning.md.
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
-CONVERGE = """---
-- name: Container engine on a VM
-  hosts: vms
-  gather_facts: true
-  gather_subset: [min]
-  roles:
-    - role: docker
-      vars:
-        docker_nvidia_runtime: true  # as playbooks/gpu_nodes.yml sets it on GPU nodes
-"""
+CONVERGE = DOCKER_GPU_NODE_PLAY
 
 # A two-file image made inside the VM from its own binaries: nothing is pulled.
 PROBE_IMAGE = "sarv-probe:1"
@@ -147,7 +140,6 @@ def test_live_restore_keeps_a_container_running_across_an_engine_restart(fleet: 
 
 # One declared L4, as the container test hosts declare theirs (tests/remote/conftest.py).
 GPU_UUID = "GPU-00000000-aaaa-bbbb-cccc-0000000000a1"
-ENGINE_IMAGE = "vllm/vllm-openai:v0.32.0-cu129"  # the L4 row's image in gpu_generations.yaml
 
 
 @pytest.fixture(scope="module")
