@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import socket
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
@@ -87,34 +86,8 @@ def group_launcher_for(nodes: list[Node], model_cache: Path, settings: Settings)
 
 def claim_handle(launcher: Launcher, replica_id: str) -> dict[str, str]:
     """A handle naming whatever ``launcher.start(replica_id, …)`` may have left running, built from the
-    replica id alone, for ``launcher.stop``: the replica's systemd units (SSH, Ray), or its run directory
-    (local processes). It stops a replica whose start never handed its handle back (the deploy was killed
-    in between); {} for a launcher whose starts cannot be found by name."""
-    from controlplane.launchers.ray import RayLauncher
-    from controlplane.launchers.ssh import SshLauncher
-    from controlplane.launchers.units import unit_name
-
-    if isinstance(launcher, RayLauncher):
-        # RayLauncher.start's units in its start order (stop removes them in reverse; a unit that never
-        # started is a no-op). Keep this in step with that method when its units change.
-        head = launcher.head.node.name
-        order = [
-            [head, unit_name(replica_id, "ray-head")],
-            *([s.node.name, unit_name(replica_id, "ray-worker")] for s in launcher.stages[1:]),
-            [head, unit_name(replica_id)],
-        ]
-        return {
-            "launcher": launcher.name,
-            "host": head,
-            "unit": unit_name(replica_id),
-            "order": json.dumps(order),
-        }
-    if isinstance(launcher, SshLauncher):
-        return {"launcher": launcher.name, "host": launcher.node.name, "unit": unit_name(replica_id)}
-    if isinstance(launcher, LocalLauncher):
-        return {
-            "launcher": launcher.name,
-            "host": socket.gethostname(),
-            "run_dir": str(launcher.run_dir(replica_id)),
-        }
-    return {}
+    replica id alone, for ``launcher.stop``: the launcher's own ``claim`` (beside its ``start``, which names
+    what it runs), or {} for a launcher whose starts cannot be found by name. It stops a replica whose
+    start never handed its handle back (the deploy was killed in between)."""
+    claim = getattr(launcher, "claim", None)
+    return dict(claim(replica_id)) if claim is not None else {}

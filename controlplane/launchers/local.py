@@ -227,9 +227,14 @@ class LocalLauncher:
         restarts, last = _supervisor_status(handle)
         return ReplicaProcess(state=ProcessState.RUNNING, restarts=restarts, exit_code=last)
 
+    def claim(self, replica_id: str) -> dict[str, str]:
+        """The replica's run directory, where every process a start leaves works (see
+        :func:`~controlplane.launchers.claim_handle`)."""
+        return {"launcher": self.name, "host": socket.gethostname(), "run_dir": str(self.run_dir(replica_id))}
+
     def stop(self, handle: dict[str, str], *, timeout: float = 30.0) -> None:
         if not handle.get("pid") and handle.get("run_dir"):
-            # A claim (launchers.claim_handle): whatever a start whose handle was lost left running.
+            # A claim: whatever a start whose handle was lost left running.
             for group in sorted(_groups_in(Path(handle["run_dir"]))):
                 ident = process_identity(group)
                 self.stop({"pid": str(group), "start_time": ident[2] if ident else ""}, timeout=timeout)

@@ -191,6 +191,23 @@ class RayLauncher:
             "ray_address": address,
         }
 
+    def claim(self, replica_id: str) -> dict[str, str]:
+        """:meth:`start`'s units for ``replica_id`` in its start order, named from the id alone (see
+        :func:`~controlplane.launchers.claim_handle`); :meth:`stop` removes them in reverse, and a unit
+        that never started is a no-op."""
+        head = self.head.node.name
+        order = [
+            [head, unit_name(replica_id, "ray-head")],
+            *([s.node.name, unit_name(replica_id, "ray-worker")] for s in self.stages[1:]),
+            [head, unit_name(replica_id)],
+        ]
+        return {
+            "launcher": self.name,
+            "host": head,
+            "unit": unit_name(replica_id),
+            "order": json.dumps(order),
+        }
+
     def _ray_unit(
         self, stage: SshLauncher, replica_id: str, role: str, args: list[str], launch: EngineLaunch
     ) -> UnitSpec:

@@ -413,6 +413,10 @@ class SshLauncher:
             return ReplicaProcess(state=ProcessState.GONE)
         return self.unit_state(unit, timeout=POLL_TIMEOUT_S).process
 
+    def claim(self, replica_id: str) -> dict[str, str]:
+        """The replica's unit, named from its id alone (see :func:`~controlplane.launchers.claim_handle`)."""
+        return {"launcher": self.name, "host": self.node.name, "unit": unit_name(replica_id)}
+
     def stop(self, handle: dict[str, str], *, timeout: float = 30.0) -> None:
         unit = handle.get("unit", "")
         if unit:
