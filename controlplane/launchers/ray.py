@@ -12,7 +12,7 @@ from pathlib import Path, PurePosixPath
 from controlplane.engines.base import EngineLaunch
 from controlplane.errors import LaunchError, SarvError
 from controlplane.launchers.base import ProcessState, ReplicaProcess
-from controlplane.launchers.ssh import SshLauncher
+from controlplane.launchers.ssh import POLL_TIMEOUT_S, SshLauncher
 from controlplane.launchers.units import UnitSpec, unit_name
 from controlplane.weights import WeightsPolicy
 
@@ -152,12 +152,12 @@ class RayLauncher:
             self.head.start_unit(head_unit)
             started.append((self.head, head_unit.name))
             head_container = head_unit.name.removesuffix(".service") if containers else None
-            self.wait_joined(address, 1, container=head_container)
+            self.wait_joined(address, 1, container=head_container, members=started)
             for stage in self.stages[1:]:
                 unit = self._ray_unit(stage, replica_id, "ray-worker", ["--address", address], launch)
                 stage.start_unit(unit)
                 started.append((stage, unit.name))
-            self.wait_joined(address, len(self.stages), container=head_container)
+            self.wait_joined(address, len(self.stages), container=head_container, members=started)
 
             driver_env = {"RAY_ADDRESS": address, **self._nic_env(self.head)}
             if containers:
@@ -240,9 +240,17 @@ class RayLauncher:
         argv = _with_container_env(template, env) + start
         return stage.engine_unit(replica_id, EngineLaunch(argv=argv, port=1, container_name=name), role=role)
 
-    def wait_joined(self, address: str, count: int, *, container: str | None = None) -> None:
+    def wait_joined(
+        self,
+        address: str,
+        count: int,
+        *,
+        container: str | None = None,
+        members: Sequence[tuple[SshLauncher, str]] = (),
+    ) -> None:
         """Wait until ``ray status`` lists ``count`` alive nodes (asked inside the head member's container
-        for container engines)."""
+        for container engines). When it does not in time, the error names each of ``members`` (the member
+        units started so far) that restarted or stopped, with the last error its journal shows."""
         deadline = self._clock() + self.join_timeout
         ray = ["docker", "exec", container, "ray"] if container else [self._ray(self.head)]
         cmd = shlex.join([*ray, "status", "--address", address])
@@ -254,9 +262,18 @@ class RayLauncher:
             last = res.said if res.exit_code else f"{ray_active_nodes(res.stdout)} of {count} nodes joined"
             if self._clock() > deadline:
                 waited = f"{self.join_timeout:.0f}s"
+                troubled = list(_troubled_members(members))
+                if not troubled:
+                    raise LaunchError(
+                        f"Ray cluster at {address} did not reach {count} nodes in {waited}: {last}",
+                        hint="check that the nodes reach each other on their nic (firewall, MTU)",
+                    )
+                stage, unit, _ = troubled[0]
                 raise LaunchError(
-                    f"Ray cluster at {address} did not reach {count} nodes in {waited}: {last}",
-                    hint="check that the nodes reach each other on their nic (firewall, MTU)",
+                    f"Ray cluster at {address} did not reach {count} nodes in {waited}: {last}; "
+                    + "; ".join(said for _, _, said in troubled),
+                    hint=f"ssh {stage.node.name} journalctl -u {unit} (members are restarted until "
+                    "ray_join_timeout_s; a slow node may need more)",
                 )
             self._sleep(2.0)
 
@@ -321,3 +338,23 @@ def _with_container_env(argv: list[str], env: dict[str, str]) -> list[str]:
 def _order(handle: dict[str, str]) -> list[tuple[str, str]]:
     raw = json.loads(handle.get("order", "[]") or "[]")
     return [(str(n), str(u)) for n, u in raw] if isinstance(raw, list) else []
+
+
+def _troubled_members(members: Sequence[tuple[SshLauncher, str]]) -> Iterator[tuple[SshLauncher, str, str]]:
+    """Each member unit that systemd restarted or that no longer runs, with a line saying how and why."""
+    for stage, unit in members:
+        try:
+            state = stage.unit_state(unit, timeout=POLL_TIMEOUT_S)
+            proc = state.process
+            if proc.state is ProcessState.RUNNING and not proc.restarts:
+                continue
+            if proc.restarts:
+                how = f"restarted {proc.restarts} time{'s' if proc.restarts > 1 else ''}"
+            elif proc.state is ProcessState.GONE:
+                how = "is gone"
+            else:
+                how = f"stopped ({proc.detail})"
+            why = stage.last_error(unit, own_output=True)
+        except SarvError as exc:  # an unreachable node is itself the reason
+            how, why = "could not be asked", exc.message
+        yield stage, unit, f"node {stage.node.name}: {unit} {how}" + (f", last: {why}" if why else "")

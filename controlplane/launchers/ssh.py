@@ -372,8 +372,7 @@ class SshLauncher:
             )
             if res.exit_code != 0:
                 # Type=exec: a missing interpreter or a sandbox refusal fails the start itself.
-                tail = self.run(f"journalctl -u {unit.name} -n 20 --no-pager -o cat", check=False).stdout
-                why = _last_error(tail) or res.said
+                why = self.last_error(unit.name) or res.said
                 raise LaunchError(
                     f"node {self.node.name}: unit {unit.name} failed to start: {why}",
                     hint=f"ssh {self.node.name} journalctl -u {unit.name}",
@@ -389,6 +388,20 @@ class SshLauncher:
             "env_file": str(unit.env_file or ""),
             "log": f"ssh {self.node.name} journalctl -u {unit.name}",
         }
+
+    def last_error(self, unit: str, *, own_output: bool = False, lines: int = 20) -> str:
+        """The last line of ``unit``'s journal that reads like an error (else its last line), or ''.
+
+        With ``own_output``, what the unit's processes wrote comes first: systemd's own lines about the unit
+        ("Failed with result 'exit-code'") are used only when the processes wrote nothing."""
+        q = shlex.quote(unit)
+        for match in ([f"_SYSTEMD_UNIT={q}"] if own_output else []) + [f"-u {q}"]:
+            tail = self.run(
+                f"journalctl {match} -n {lines} --no-pager -o cat", check=False, timeout=POLL_TIMEOUT_S
+            )
+            if why := _last_error(tail.stdout):
+                return why
+        return ""
 
     def unit_state(self, unit: str, *, timeout: float | None = None) -> UnitState:
         res = self.run(
@@ -463,7 +476,7 @@ def _journal_lines(text: str) -> Generator[str, None, str]:
 
 
 def _last_error(text: str) -> str:
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and ln.strip() != "-- No entries --"]
     for line in reversed(lines):
         if any(w in line.lower() for w in ("error", "failed", "exception", "denied")):
             return line[:300]

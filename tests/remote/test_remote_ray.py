@@ -130,6 +130,42 @@ def test_ray_version_skew_is_refused_before_anything_starts(
         assert _units(host) == []
 
 
+def test_a_member_that_never_joins_is_named_with_its_journal_and_nothing_is_left(
+    remote_hosts: list[TestHost], remote_nodes: list[Node], remote_settings: Any, wired: Callable[..., Any]
+) -> None:
+    """The worker's Ray fails at every start (its ``ray`` replaced, on that node only): the deploy fails
+    once ``ray_join_timeout_s`` has passed, naming the node, the member's unit, how often systemd restarted
+    it and the last error in its journal, and points at that journal; no unit or record is left."""
+    _need_ray()
+    h0, h1 = remote_hosts
+    ray = _ray_bin()
+    failing = '#!/bin/sh\necho "stand-in ray: the raylet failed to start" >&2\nexit 1\n'
+    h1.write_file("/root/failing-ray", failing, "0755")
+    h1.exec(f"mount --bind /root/failing-ray {ray}")
+    try:
+        assert "failed to start" in h1.exec(f"{ray} start 2>&1 || true").stdout
+        h0.exec(f"{ray} --version")  # the head's node keeps the real one
+        quick = remote_settings.model_copy(update={"ray_join_timeout_s": 20})
+        w = wired(_discovered(remote_hosts, remote_nodes), planner=_gpu_planner(), settings=quick)
+        spec = DeploymentSpec(name="nojoin", model="sarv-tiny", pp=2, engine=EngineKind.SIM)
+        with pytest.raises(LaunchError) as failed:
+            w.deployer.deploy(spec, timeout=180)
+    finally:
+        h1.exec(f"umount {ray}", check=False)
+    err = failed.value
+    unit = "sarv-nojoin-0-ray-worker.service"
+    assert re.search(r"did not reach 2 nodes in 20s: 1 of 2 nodes joined; ", err.message), err.message
+    assert re.search(
+        rf"node {h1.name}: {unit} restarted \d+ times?, last: stand-in ray: the raylet failed to start(;|$)",
+        err.message,
+    ), err.message
+    assert h0.name + ":" not in err.message  # the head member ran: it is not blamed
+    assert err.hint is not None and err.hint.startswith(f"ssh {h1.name} journalctl -u {unit} ")
+    assert w.store.list_replicas() == []
+    for host in remote_hosts:
+        assert _units(host) == []
+
+
 def _ray_bin() -> str:
     import sys
     from pathlib import Path
