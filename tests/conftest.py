@@ -1,7 +1,8 @@
-"""Fixture plugins shared by every test area (see tests/fixtures/), and two guards: a SIGTERM ends the run
-as Ctrl-C does, and standard input stays blocking from one test to the next."""
+"""Fixture plugins shared by every test area (see tests/fixtures/), two guards (a SIGTERM ends the run as
+Ctrl-C does, and standard input stays blocking from one test to the next), and a CPU line in the summary."""
 
 import os
+import resource
 import signal
 import threading
 from collections.abc import Iterator
@@ -42,3 +43,15 @@ def _blocking_stdin() -> Iterator[None]:
             os.set_blocking(0, True)
     except OSError:  # no standard input at all
         pass
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The CPU time this pytest process used, itself and the children it waited for (Ansible, QEMU, engines,
+    SSH); the processes of containers are Docker's and not counted. scripts/test's whole run prints one such
+    line for each of its pytest processes, to show which one the two cores went to."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    terminalreporter.write_line(
+        f"CPU: {own.ru_utime + own.ru_stime:.0f} s in this process, "
+        f"{children.ru_utime + children.ru_stime:.0f} s in its children (containers not counted)"
+    )
