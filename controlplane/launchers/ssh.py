@@ -396,9 +396,7 @@ class SshLauncher:
         ("Failed with result 'exit-code'") are used only when the processes wrote nothing."""
         q = shlex.quote(unit)
         for match in ([f"_SYSTEMD_UNIT={q}"] if own_output else []) + [f"-u {q}"]:
-            tail = self.run(
-                f"journalctl {match} -n {lines} --no-pager -o cat", check=False, timeout=POLL_TIMEOUT_S
-            )
+            tail = self.run(f"journalctl {match} -n {lines} --no-pager -o cat", check=False)
             if why := _last_error(tail.stdout):
                 return why
         return ""
