@@ -2,12 +2,13 @@
 repository only, and what a container cannot show is checked on a real kernel — limits in new login
 sessions, journald keeping logs across a reboot, chrony stepping a wrong clock from a time server.
 
-Two VMs (tests/fixtures/vms.py) on a private network (10.99.0.0/24, a QEMU socket link; nothing else is
-reachable from them):
+A VM (tests/fixtures/vms.py) on a private network (10.99.0.0/24; nothing else is reachable from it), which
+this machine joins from a network namespace of the test's own (tests/fixtures/l2hub.py, 10.99.0.1):
 
-- ``sarv-vm0`` is the site's time server: chrony from the same repository, serving its clock to the
-  private network (``local stratum 8``);
-- ``sarv-vm1`` is the node: no Debian source, the repository (``build_apt_repository``, what
+- the site's time server is chrony from the same repository (its ``.deb`` unpacked here), run in that
+  namespace and serving its clock to the private network (``local stratum 8``); it runs with ``-x`` and
+  never sets this machine's clock;
+- ``sarv-vm0`` is the node: no Debian source, the repository (``build_apt_repository``, what
   ``llmctl bundle create`` puts in a bundle's ``debs/``: common's base packages and their dependencies,
   signed by a key made here) copied in and trusted, as ``llmctl bundle load`` does, and its clock set 90 s
   ahead before the converge.
@@ -22,14 +23,15 @@ In order:
    from the previous boot after it; chrony and the limits are back too;
 5. a second run changes nothing.
 
-Molecule is not used, as in test_provision_vms.py: ansible-playbook runs against the VMs' forwarded SSH
-ports. This module replaces common's container scenario and runs in the default suite (scripts/test runs it
-beside the rest, ~6 minutes under software emulation); preflight keeps its container scenario for the
-refusals, which need no kernel.
+Molecule is not used, as in test_provision_vms.py: ansible-playbook runs against the VM's forwarded SSH
+port. This module replaces common's container scenario and runs in the default suite (scripts/test runs it
+beside the rest; about 5 minutes alone under software emulation); preflight keeps its container scenario
+for the refusals, which need no kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import time
@@ -42,7 +44,8 @@ import pytest
 import yaml
 from fixtures.ansible import tail
 from fixtures.bundles import gpg_signing_key, stop_gpg_agent
-from fixtures.common import REPO, need_binary
+from fixtures.common import REPO, need_binary, stop_process
+from fixtures.l2hub import ADDRESS, PrivateNetwork, private_network
 from fixtures.vms import VM, Fleet, booted_fleet, recap_changed
 
 from controlplane.bundle.create import build_apt_repository
@@ -53,8 +56,8 @@ pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(2400)]
 PACKAGES: list[str] = yaml.safe_load((REPO / "roles/common/vars/Debian.yml").read_text())["_common_packages"]
 MIRROR_DIR = "/srv/sarv-mirror/debs"
 MIRROR = f"file://{MIRROR_DIR}"
-TIME_SERVER = "10.99.0.11"  # sarv-vm0's private address (the fixture numbers them from .11)
-NODE = "sarv-vm1"
+TIME_SERVER = ADDRESS  # this machine, in the private network's namespace
+NODE = "sarv-vm0"
 SKEW_S = 90
 JOURNAL_MAX = "300M"
 # The .deb files the bundle tests download are reused (and new ones kept there), as `llmctl bundle create`
@@ -83,7 +86,6 @@ CONVERGE = f"""---
 @dataclass
 class Site:
     fleet: Fleet
-    time_server: VM
     node: VM
     converge: subprocess.CompletedProcess[str]
     skewed_by: float
@@ -114,14 +116,36 @@ def _copy_repository(vm: VM, repo: Path) -> None:
     )
 
 
-def _serve_time(vm: VM) -> None:
-    vm.ssh(
-        f"echo 'deb {MIRROR} bookworm main' > /etc/apt/sources.list.d/sarv-mirror.list"
-        " && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chrony"
-        " && printf 'local stratum 8\\nallow 10.99.0.0/24\\n' > /etc/chrony/conf.d/sarv-time-server.conf"
-        " && systemctl restart chrony",
-        timeout=900,
+@contextlib.contextmanager
+def _time_server(net: PrivateNetwork, repo: Path, workdir: Path) -> Iterator[None]:
+    """chronyd from the repository's chrony package, serving time on the private network from the
+    namespace; ``-x``: it never sets this machine's clock."""
+    [deb] = repo.rglob("chrony_*.deb")
+    root = workdir / "chrony"
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True, timeout=120)
+    conf = workdir / "chrony.conf"
+    conf.write_text(
+        "local stratum 8\nallow 10.99.0.0/24\ncmdport 0\nbindcmdaddress /\n"
+        f"pidfile {workdir / 'chronyd.pid'}\n"
     )
+    log = (workdir / "chronyd.log").open("wb")
+    argv = [str(root / "usr/sbin/chronyd"), "-x", "-d", "-u", "root", "-f", str(conf)]
+    proc = subprocess.Popen(net.argv(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while ":123 " not in _udp_listeners(net):
+            assert proc.poll() is None, (workdir / "chronyd.log").read_text()
+            assert time.monotonic() < deadline, "chronyd did not listen on port 123 within 30 s"
+            time.sleep(0.2)
+        yield
+    finally:
+        stop_process(proc)
+        log.close()
+
+
+def _udp_listeners(net: PrivateNetwork) -> str:
+    out = subprocess.run(net.argv(["ss", "-lun"]), capture_output=True, text=True, timeout=30, check=False)
+    return out.stdout
 
 
 @pytest.fixture(scope="module")
@@ -142,12 +166,15 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def site(
     ssh_keypair: tuple[Path, str], tmp_path_factory: pytest.TempPathFactory, repository: Path
 ) -> Iterator[Site]:
+    need_binary("dpkg-deb")
     workdir = tmp_path_factory.mktemp("vm-common")
-    with booted_fleet(workdir, ssh_keypair[0], count=2, private_network=True) as fleet:
-        time_server, node = fleet.vms
-        for vm in fleet.vms:
-            _copy_repository(vm, repository)
-        _serve_time(time_server)
+    with (
+        private_network() as net,
+        _time_server(net, repository, workdir),
+        booted_fleet(workdir, ssh_keypair[0], hub=net.hub) as fleet,
+    ):
+        node = fleet.vm
+        _copy_repository(node, repository)
         node.ssh(f"date -s @$(( $(date +%s) + {SKEW_S} ))")
         skewed_by = _host_offset(node)
         with fleet.inventory.open("a") as f:
@@ -157,7 +184,7 @@ def site(
                 "sarv_gpu_interconnect=pcie\n"
             )
         converge = fleet.playbook("converge", CONVERGE, timeout=1800)
-        yield Site(fleet, time_server, node, converge, skewed_by)
+        yield Site(fleet, node, converge, skewed_by)
 
 
 def test_converge_installs_from_the_repository_alone(site: Site) -> None:
