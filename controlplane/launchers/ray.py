@@ -12,7 +12,7 @@ from pathlib import Path, PurePosixPath
 from controlplane.engines.base import EngineLaunch
 from controlplane.errors import LaunchError, SarvError
 from controlplane.launchers.base import ProcessState, ReplicaProcess
-from controlplane.launchers.ssh import POLL_TIMEOUT_S, SshLauncher
+from controlplane.launchers.ssh import SshLauncher
 from controlplane.launchers.units import UnitSpec, unit_name
 from controlplane.weights import WeightsPolicy
 
@@ -262,16 +262,15 @@ class RayLauncher:
             last = res.said if res.exit_code else f"{ray_active_nodes(res.stdout)} of {count} nodes joined"
             if self._clock() > deadline:
                 waited = f"{self.join_timeout:.0f}s"
+                message = f"Ray cluster at {address} did not reach {count} nodes in {waited}: {last}"
                 troubled = list(_troubled_members(members))
                 if not troubled:
                     raise LaunchError(
-                        f"Ray cluster at {address} did not reach {count} nodes in {waited}: {last}",
-                        hint="check that the nodes reach each other on their nic (firewall, MTU)",
+                        message, hint="check that the nodes reach each other on their nic (firewall, MTU)"
                     )
                 stage, unit, _ = troubled[0]
                 raise LaunchError(
-                    f"Ray cluster at {address} did not reach {count} nodes in {waited}: {last}; "
-                    + "; ".join(said for _, _, said in troubled),
+                    "; ".join([message, *(said for _, _, said in troubled)]),
                     hint=f"ssh {stage.node.name} journalctl -u {unit} (members are restarted until "
                     "ray_join_timeout_s; a slow node may need more)",
                 )
@@ -344,8 +343,7 @@ def _troubled_members(members: Sequence[tuple[SshLauncher, str]]) -> Iterator[tu
     """Each member unit that systemd restarted or that no longer runs, with a line saying how and why."""
     for stage, unit in members:
         try:
-            state = stage.unit_state(unit, timeout=POLL_TIMEOUT_S)
-            proc = state.process
+            proc = stage.poll({"unit": unit})
             if proc.state is ProcessState.RUNNING and not proc.restarts:
                 continue
             if proc.restarts:

@@ -474,7 +474,7 @@ def _journal_lines(text: str) -> Generator[str, None, str]:
 
 
 def _last_error(text: str) -> str:
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and ln.strip() != "-- No entries --"]
+    lines = [s for ln in text.splitlines() if (s := ln.strip()) and s != "-- No entries --"]
     for line in reversed(lines):
         if any(w in line.lower() for w in ("error", "failed", "exception", "denied")):
             return line[:300]

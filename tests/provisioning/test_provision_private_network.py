@@ -9,12 +9,7 @@ import subprocess
 from pathlib import Path
 
 from fixtures.common import need, need_binary
-from fixtures.l2hub import ADDRESS, private_network
-
-
-def _namespaces() -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30, check=True)
-    return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
+from fixtures.l2hub import ADDRESS, namespaces, private_network
 
 
 def test_a_killed_processs_namespace_is_removed_a_live_ones_kept_and_the_new_one_goes_on_leaving() -> None:
@@ -29,7 +24,7 @@ def test_a_killed_processs_namespace_is_removed_a_live_ones_kept_and_the_new_one
         subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
     try:
         with private_network() as net:
-            names = _namespaces()
+            names = namespaces()
             assert left not in names
             assert live in names
             assert net.namespace in names and net.namespace.startswith(f"sarv-pn-{os.getpid()}-")
@@ -41,7 +36,7 @@ def test_a_killed_processs_namespace_is_removed_a_live_ones_kept_and_the_new_one
                 check=True,
             ).stdout
             assert f"inet {ADDRESS}/24" in addr
-        assert net.namespace not in _namespaces()
+        assert net.namespace not in namespaces()
         assert net.proc.poll() is not None  # the hub ended with it
     finally:
         for name in (left, live):
