@@ -3,8 +3,9 @@ routing by version weight, and real controller passes (the reconcile loop with a
 canary from the gateway's and the engines' metrics.
 
 A healthy canary is promoted to 100 % (its traffic share matching the weight on the way, the controller
-replaced by a fresh one mid-rollout); a canary with an injected error rate is rolled back and exactly the
-old replicas are left. The ready replicas never drop below the deployment's count.
+replaced by a fresh one mid-rollout); a canary with an injected error rate, and one whose TTFT regressed,
+is rolled back and exactly the old replicas are left. The ready replicas never drop below the deployment's
+count.
 """
 
 from __future__ import annotations
@@ -144,8 +145,12 @@ def test_a_healthy_canary_takes_its_share_then_is_promoted_to_100_percent(stack)
     assert got["canary:200"] == pytest.approx(50, abs=6), got  # 25 % ± 3 points
 
     # The window is wall time while the passes are paced by requests: 5 s holds the 5 canary requests a
-    # step needs even when a loaded machine sends a pass's requests slowly.
-    policy = RolloutPolicy(window_s=5.0, min_requests=5)
+    # step needs even when a loaded machine sends a pass's requests slowly. Both versions answer in about
+    # 30 ms, and the quantile of a handful of requests is their slowest one: on a loaded two-core machine
+    # one request stalled by the scheduler for 70 ms passed the default slack (0.05 s) and rolled this
+    # healthy canary back. The slack here is above any such stall; the TTFT rule itself rolls back a slow
+    # canary in the test below.
+    policy = RolloutPolicy(window_s=5.0, min_requests=5, ttft_slack_s=1.0)
     with ReadyWatch(d) as watch:
         asyncio.run(drive(c, d, gw, policy, lambda: status(d) is RolloutStatus.SUCCEEDED, restart_at=3))
     low = watch.low
@@ -161,16 +166,37 @@ def test_a_healthy_canary_takes_its_share_then_is_promoted_to_100_percent(stack)
     assert reasons[-1] == "RolloutSucceeded" or "RolloutSucceeded" in reasons
     done = d.store.get_rollout("web")
     assert done.comparison["canary_requests"] and done.comparison["canary_requests"] >= 5
+    assert done.comparison["canary_ttft_p95_s"], "the engines' TTFT reached the judgement"
 
 
-def test_a_canary_with_an_error_rate_is_rolled_back_leaving_exactly_the_old_replicas(stack) -> None:
+@pytest.mark.parametrize(
+    ("engine_args", "policy", "reason"),
+    [
+        pytest.param(
+            {"failure_rate": 0.7},
+            RolloutPolicy(window_s=30.0, min_requests=5, min_errors=2),
+            "canary error ratio",
+            id="error-rate",
+        ),
+        # 800 ms against 30 ms: the canary's p95 lands in the 0.75-1 s bucket, far above the stable's
+        # p95 × 1.5 + 0.3 s even when a loaded machine slows the stable replicas' answers.
+        pytest.param(
+            {"ttft_ms": 800},
+            RolloutPolicy(window_s=30.0, min_requests=5, ttft_slack_s=0.3),
+            "canary TTFT p95",
+            id="slow-ttft",
+        ),
+    ],
+)
+def test_a_regressed_canary_is_rolled_back_leaving_exactly_the_old_replicas(
+    stack, engine_args: dict[str, float], policy: RolloutPolicy, reason: str
+) -> None:
     d, gw, c = stack
     before = {(r.id, r.handle["pid"], r.version) for r in d.store.list_replicas("web")}
     stable = d.store.get_deployment("web").spec
-    canary = stable.model_copy(update={"engine_args": {"failure_rate": 0.7}})
+    canary = stable.model_copy(update={"engine_args": engine_args})
     # At 10 % the canary runs beside both stable replicas, so a rollback must leave those very processes.
     rollout = start_rollout(d, "web", canary, steps=[10, 100], timeout=120)
-    policy = RolloutPolicy(window_s=30.0, min_requests=5, min_errors=2)
     with ReadyWatch(d) as watch:
         asyncio.run(drive(c, d, gw, policy, lambda: status(d) is RolloutStatus.ROLLED_BACK))
     low = watch.low
@@ -180,7 +206,7 @@ def test_a_canary_with_an_error_rate_is_rolled_back_leaving_exactly_the_old_repl
     assert after == before, "exactly the old replicas, the same processes"
     assert d.store.get_deployment("web").spec == stable
     done = d.store.get_rollout("web")
-    assert "canary error ratio" in done.reason, done.reason
+    assert reason in done.reason, done.reason
     assert done.weight == 0
     events = [e for e in d.store.list_events("web") if e.reason in {"RollingBack", "RolledBack"}]
     assert [e.reason for e in events] == ["RollingBack", "RolledBack"]
