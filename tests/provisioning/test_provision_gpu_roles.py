@@ -8,12 +8,10 @@ destroy) in a role directory as a subprocess, against a Debian 12 systemd contai
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,7 +35,11 @@ GPU_ROLES = [
 ]
 
 # Roles whose container scenario was replaced by a VM scenario of the default run (scripts/test).
-ON_VMS = ("common",)  # tests/provisioning/test_provision_vm_common.py
+ON_VMS = (
+    "common",  # tests/provisioning/test_provision_vm_common.py
+    "nvme_raid",  # tests/provisioning/test_provision_vms.py
+    "nvidia_driver",  # tests/provisioning/test_provision_vm_nvidia.py
+)
 # Roles whose Molecule scenario runs on a QEMU VM, through the delegated driver in .config/molecule/vm/.
 MOLECULE_ON_VMS = ("net_tuning",)
 
@@ -163,25 +165,6 @@ def _need_docker() -> None:
     need(image.returncode == 0, f"{TESTBED_IMAGE} is missing (scripts/testbed-image builds it)")
 
 
-@pytest.fixture
-def loop_device(tmp_path: Path) -> Iterator[str]:
-    """A 320 MiB file attached to a free loop device on the host (XFS needs 300 MiB)."""
-    losetup = need_binary("losetup")
-    need(os.geteuid() == 0, "attaching a loop device needs root")
-    backing = tmp_path / "nvme0.img"
-    with backing.open("wb") as f:
-        f.truncate(320 * 1024 * 1024)
-    attach = subprocess.run(
-        [losetup, "--find", "--show", str(backing)], capture_output=True, text=True, timeout=60, check=False
-    )
-    need(attach.returncode == 0, f"no loop device could be attached: {attach.stderr.strip()}")
-    device = attach.stdout.strip()
-    try:
-        yield device
-    finally:
-        subprocess.run([losetup, "-d", device], capture_output=True, timeout=60, check=False)
-
-
 def _molecule(role: str, timeout: float, **extra_env: str) -> subprocess.CompletedProcess[str]:
     """``molecule test`` in ``roles/<role>``, its output (stdout and stderr) captured."""
     return subprocess.run(
@@ -214,17 +197,9 @@ def _molecule_test(role: str, **extra_env: str) -> None:
 @pytest.mark.docker
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("role", [r for r in GPU_ROLES if r not in ("nvme_raid", *ON_VMS, *MOLECULE_ON_VMS)])
+@pytest.mark.parametrize("role", [r for r in GPU_ROLES if r not in (*ON_VMS, *MOLECULE_ON_VMS)])
 def test_molecule_scenario(role: str) -> None:
     _molecule_test(role)
-
-
-@pytest.mark.molecule
-@pytest.mark.docker
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_molecule_nvme_raid(loop_device: str) -> None:
-    _molecule_test("nvme_raid", SARV_NVME_RAID_LOOP=loop_device)
 
 
 @pytest.mark.molecule
