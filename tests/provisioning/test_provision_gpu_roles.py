@@ -1,4 +1,5 @@
-"""GPU-node Ansible: static checks, preflight on the example inventory, and one Molecule scenario per role.
+"""GPU-node Ansible: static checks, preflight on the example inventory, and one Molecule scenario per role
+(roles in ON_VMS have a VM module instead, MOLECULE_ON_VMS a Molecule scenario on a VM).
 
 The Molecule tests run ``molecule test`` (destroy, create, prepare, converge, idempotence, verify,
 destroy) in a role directory as a subprocess, against a Debian 12 systemd container built from the local image
