@@ -82,6 +82,20 @@ def fleet(ssh_keypair: tuple[Path, str], tmp_path_factory: pytest.TempPathFactor
         yield f
 
 
+def _check_mounted_xfs(vm: VM, device: str, mount: str) -> str:
+    """``device`` carries the XFS mounted ``noatime`` at ``mount``, listed in fstab by its UUID, with the
+    model cache's read-ahead; returns the device's real path."""
+    real = vm.ssh(f"readlink -f {device}").stdout.strip()
+    source, fstype, options = vm.ssh(f"findmnt -n -o SOURCE,FSTYPE,OPTIONS {mount}").stdout.split()
+    assert (vm.ssh(f"readlink -f {source}").stdout.strip(), fstype) == (real, "xfs")
+    assert "noatime" in options.split(",")
+    uuid = vm.ssh(f"blkid -s UUID -o value {device}").stdout.strip()
+    fstab = [line.split() for line in vm.ssh("cat /etc/fstab").stdout.splitlines() if mount in line]
+    assert fstab == [[f"UUID={uuid}", mount, "xfs", "noatime,nofail", "0", "0"]]
+    assert vm.ssh(f"blockdev --getra {device}").stdout.strip() == "16384"
+    return real
+
+
 def _check_model_cache(vm: VM) -> None:
     detail = vm.ssh("mdadm --detail /dev/md/sarv-models").stdout
     assert re.search(r"Raid Level : raid0", detail), detail
@@ -90,20 +104,13 @@ def _check_model_cache(vm: VM) -> None:
     for d in RAID:
         member = vm.ssh(f"readlink -f {d.guest_path}").stdout.strip()
         assert member in members, members
-    md = vm.ssh("readlink -f /dev/md/sarv-models").stdout.strip()
-    source, fstype, options = vm.ssh(f"findmnt -n -o SOURCE,FSTYPE,OPTIONS {MOUNT}").stdout.split()
-    assert (vm.ssh(f"readlink -f {source}").stdout.strip(), fstype) == (md, "xfs")
-    assert "noatime" in options.split(",")
+    _check_mounted_xfs(vm, "/dev/md/sarv-models", MOUNT)
     assert vm.ssh(f"stat -c '%U %a' {MOUNT}").stdout.split() == ["nobody", "750"]
-    uuid = vm.ssh("blkid -s UUID -o value /dev/md/sarv-models").stdout.strip()
-    fstab = [line.split() for line in vm.ssh("cat /etc/fstab").stdout.splitlines() if MOUNT in line]
-    assert fstab == [[f"UUID={uuid}", MOUNT, "xfs", "noatime,nofail", "0", "0"]]
     brief = vm.ssh("mdadm --detail --brief /dev/md/sarv-models").stdout.strip()
     conf = [
         line for line in vm.ssh("cat /etc/mdadm/mdadm.conf").stdout.splitlines() if line.startswith("ARRAY")
     ]
     assert conf == [brief]
-    assert vm.ssh("blockdev --getra /dev/md/sarv-models").stdout.strip() == "16384"
     rule = vm.ssh(
         "stat -c %a /etc/udev/rules.d/69-sarv-model-cache.rules && "
         "cat /etc/udev/rules.d/69-sarv-model-cache.rules"
@@ -213,17 +220,10 @@ def test_drives_with_data_are_refused_unless_forced(fleet: Fleet) -> None:
     # The refused drives are untouched (the forced one is checked below).
     for d in (MBR, MDSIG):
         assert vm.ssh(f"blkid -p -o export {d.guest_path}").stdout == signatures[d.serial]
-    single_device = vm.ssh(f"readlink -f {EXT4.guest_path}").stdout.strip()
     probe = vm.ssh(f"blkid -p -o export {EXT4.guest_path}").stdout.splitlines()
     assert "TYPE=xfs" in probe
     assert "LABEL=sarv-single" in probe
-    source, fstype, options = vm.ssh("findmnt -n -o SOURCE,FSTYPE,OPTIONS /srv/single").stdout.split()
-    assert (vm.ssh(f"readlink -f {source}").stdout.strip(), fstype) == (single_device, "xfs")
-    assert "noatime" in options.split(",")
-    uuid = vm.ssh(f"blkid -s UUID -o value {EXT4.guest_path}").stdout.strip()
-    fstab = [line.split() for line in vm.ssh("cat /etc/fstab").stdout.splitlines() if "/srv/single" in line]
-    assert fstab == [[f"UUID={uuid}", "/srv/single", "xfs", "noatime,nofail", "0", "0"]]
-    assert vm.ssh(f"blockdev --getra {EXT4.guest_path}").stdout.strip() == "16384"
+    single_device = _check_mounted_xfs(vm, EXT4.guest_path, "/srv/single")
     assert single_device.removeprefix("/dev/") not in vm.ssh("cat /proc/mdstat").stdout
     # The RAID-0 model cache is still there.
     assert vm.ssh(f"findmnt -n -o FSTYPE {MOUNT}").stdout.strip() == "xfs"
