@@ -38,8 +38,8 @@ GPU_ROLES = [
 # Roles whose container scenario was replaced by a VM scenario of the default run (scripts/test).
 ON_VMS = (
     "common",  # tests/provisioning/test_provision_vm_common.py
-    "nvme_raid",  # tests/provisioning/test_provision_vms.py
-    "nvidia_driver",  # tests/provisioning/test_provision_vm_nvidia.py
+    "nvme_raid",  # tests/provisioning/test_provision_vm_gpu_node.py
+    "nvidia_driver",  # tests/provisioning/test_provision_vm_gpu_node.py
 )
 # Roles whose Molecule scenario runs on a QEMU VM, through the delegated driver in .config/molecule/vm/.
 MOLECULE_ON_VMS = ("net_tuning",)

@@ -23,8 +23,8 @@ In order:
    from the previous boot after it; chrony and the limits are back too;
 5. a second run changes nothing.
 
-Molecule is not used, as in test_provision_vms.py: ansible-playbook runs against the VM's forwarded SSH
-port. This module replaces common's container scenario and runs in the default suite (scripts/test runs it
+Molecule is not used, as in test_provision_vm_gpu_node.py: ansible-playbook runs against the VM's forwarded
+SSH port. This module replaces common's container scenario and runs in the default suite (scripts/test runs it
 beside the rest; about 5 minutes alone under software emulation); preflight keeps its container scenario
 for the refusals, which need no kernel.
 """
