@@ -112,9 +112,9 @@ PREPARE = f"""---
 """
 
 # gpu_nodes.yml as site.yml runs it. The first play gathers the minimal fact subset the roles read (the
-# distribution, for preflight and the package paths); with ansible.cfg's smart gathering, gpu_nodes.yml
-# then uses those facts instead of the full set, whose hardware and network probes are slow processes
-# under software emulation.
+# distribution, for preflight and the package paths); with smart gathering (set for these runs, as in
+# ansible.cfg), gpu_nodes.yml then uses those facts instead of the full set, whose hardware and network
+# probes are slow processes under software emulation.
 CONVERGE = f"""---
 - name: Minimal facts
   hosts: gpu_nodes
@@ -183,7 +183,9 @@ def _result(out: str, header: str) -> str:
     """The first result line (``ok:``, ``changed:`` …) after the task or handler ``header`` in ``out``."""
     assert header in out, tail(out, 120)
     after = out.split(header, 1)[1].splitlines()
-    return next(line for line in after if re.match(r"(ok|changed|skipping|failed|fatal):", line))
+    result = next((line for line in after if re.match(r"(ok|changed|skipping|failed|fatal):", line)), "")
+    assert result, f"no result after {header}"
+    return result
 
 
 def _boot_id(vm: VM) -> str:
