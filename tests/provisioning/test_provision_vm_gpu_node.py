@@ -88,9 +88,7 @@ BLACKLIST = "/etc/modprobe.d/blacklist-nouveau.conf"
 SKIP = ("--skip-tags", "nvidia_driver_kernel_packages,nvidia_driver_gpu")
 REBOOT = "TASK [nvidia_driver : Reboot into the new driver]"
 REBUILD = "TASK [nvidia_driver : Rebuild the initramfs without nouveau]"
-HANDLER = (
-    "RUNNING HANDLER [nvme_raid : Update the initramfs unless it is newer than mdadm.conf (Debian family)]"
-)
+HANDLER = "RUNNING HANDLER [nvme_raid : Update the initramfs unless it is newer than mdadm.conf]"
 
 PREPARE = f"""---
 # An air-gapped node: no Debian source, only the site's (here: the stand-in NVIDIA) repositories.
