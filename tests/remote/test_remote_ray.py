@@ -139,7 +139,9 @@ def test_a_member_that_never_joins_is_named_with_its_journal_and_nothing_is_left
     _need_ray()
     h0, h1 = remote_hosts
     ray = _ray_bin()
-    failing = '#!/bin/sh\necho "stand-in ray: the raylet failed to start" >&2\nexit 1\n'
+    # It fails after a moment, as a raylet that does not come up does: exiting at once, it can end before
+    # systemd has finished starting the Type=exec unit, and on a loaded machine the start itself failed.
+    failing = '#!/bin/sh\nsleep 2\necho "stand-in ray: the raylet failed to start" >&2\nexit 1\n'
     h1.write_file("/root/failing-ray", failing, "0755")
     h1.exec(f"mount --bind /root/failing-ray {ray}")
     try:
