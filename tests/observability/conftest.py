@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fixtures.common import free_port, need_binary, stop_process, wait_port
+from fixtures.common import free_port, need_binary, stop_process, wait_ready
 
 RULES = Path(__file__).resolve().parents[2] / "dashboards" / "rules" / "sarv.rules.yml"
 
@@ -38,7 +38,7 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[int, Path]]:
         stderr=subprocess.STDOUT,
     )
     try:
-        wait_port(port, timeout=30)
+        wait_ready(f"http://127.0.0.1:{port}/-/ready", timeout=30)
         yield port, targets
     finally:
         stop_process(proc)

@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from fixtures.common import REPO, free_port, need_binary, wait_port
+from fixtures.common import REPO, free_port, need_binary, wait_port, wait_ready
 from fixtures.gateway import GatewayStarter, add_key
 from fixtures.pending_series import PENDING, PENDING_LABELS, VLLM_FORMER_NAMES
 from fixtures.vllm import LlmctlEnv, VllmDeployment, kill_groups
@@ -293,8 +293,10 @@ def stack(vllm_tiny: VllmDeployment, tmp_path_factory: pytest.TempPathFactory) -
                 tmp / "prometheus.log",
             )
         )  # fmt: skip
-        for port in (controller_port, node_port, am_port, prom_port):
+        for port in (controller_port, node_port):
             wait_port(port, timeout=30)
+        for port in (am_port, prom_port):
+            wait_ready(f"http://127.0.0.1:{port}/-/ready", timeout=30)
         stack = Stack(
             dep=dep,
             prom=f"http://127.0.0.1:{prom_port}",
