@@ -21,7 +21,8 @@ modules, the persistence daemon and nvidia-smi (``nvidia_driver_gpu``). The test
 3. a second run changes nothing and does not reboot;
 4. a power cycle that boots the kernel and initramfs in the guest's /boot (as its boot loader would) brings
    back the array and the mount, without nouveau;
-5. nouveau loaded again with reboots not allowed: no reboot, and the warning says what to do;
+5. an initramfs older than the blacklist (a run stopped before its rebuild) is rebuilt by the next run;
+   nouveau loaded again with reboots not allowed: no reboot, and the warning says what to do;
 6. a repository key that is not the pinned one stops the run, naming the pinned fingerprint;
 7. drives carrying a filesystem, a partition table or a RAID signature are refused and left intact, so are a
    missing drive and a file that is not a block device, and with ``nvme_raid_force`` a single drive is wiped
@@ -326,14 +327,23 @@ def test_array_and_mount_survive_a_power_cycle_into_the_rebuilt_initramfs(fleet:
     _serve_mirror(vm)
 
 
-def test_a_needed_reboot_that_is_not_allowed_is_reported_not_done(fleet: Fleet) -> None:
+def test_a_stale_initramfs_is_rebuilt_and_a_needed_reboot_that_is_not_allowed_is_reported_not_done(
+    fleet: Fleet,
+) -> None:
+    """The blacklist made newer than the initramfs that boots next, as a run stopped between writing one and
+    rebuilding the other leaves them: this run rebuilds it although the blacklist itself does not change.
+    nouveau loaded again with reboots not allowed: no reboot, and the warning says what to do."""
     vm = fleet.vm
+    vm.ssh(f"touch {BLACKLIST} && test {BLACKLIST} -nt /initrd.img")
     vm.ssh("modprobe nouveau")
     before = _boot_id(vm)
     out = _gpu_nodes(
         fleet, "not-allowed", "-e", json.dumps({"nvidia_driver_reboot_allowed": False}), tags="nvidia_driver"
     )
     assert out.returncode == 0, tail(out.stdout, 120)
+    assert _result(out.stdout, "TASK [nvidia_driver : Blacklist nouveau]").startswith("ok:")
+    assert _result(out.stdout, REBUILD).startswith("changed:")
+    assert vm.ssh(f"test /initrd.img -nt {BLACKLIST}", check=False).returncode == 0
     assert _boot_id(vm) == before
     assert _nouveau_loaded(vm)
     assert "needs a reboot to use driver" in out.stdout, tail(out.stdout, 60)
