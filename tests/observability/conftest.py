@@ -38,7 +38,7 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[int, Path]]:
         stderr=subprocess.STDOUT,
     )
     try:
-        wait_ready(f"http://127.0.0.1:{port}/-/ready", timeout=30)
+        wait_ready(f"http://127.0.0.1:{port}/-/ready", timeout=30, proc=proc, log=tmp_path / "prometheus.log")
         yield port, targets
     finally:
         stop_process(proc)

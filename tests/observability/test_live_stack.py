@@ -295,8 +295,8 @@ def stack(vllm_tiny: VllmDeployment, tmp_path_factory: pytest.TempPathFactory) -
         )  # fmt: skip
         for port in (controller_port, node_port):
             wait_port(port, timeout=30)
-        for port in (am_port, prom_port):
-            wait_ready(f"http://127.0.0.1:{port}/-/ready", timeout=30)
+        for port, proc, name in ((am_port, procs[-2], "alertmanager"), (prom_port, procs[-1], "prometheus")):
+            wait_ready(f"http://127.0.0.1:{port}/-/ready", timeout=30, proc=proc, log=tmp / f"{name}.log")
         stack = Stack(
             dep=dep,
             prom=f"http://127.0.0.1:{prom_port}",

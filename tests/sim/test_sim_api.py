@@ -28,8 +28,21 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProcess]:
     factory.close()
 
 
+_clients: list[openai.OpenAI] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    """Each test's clients closed at its end: an open one keeps its connection to the simulator."""
+    yield
+    while _clients:
+        _clients.pop().close()
+
+
 def _client(sim: SimProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=sim.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    client = openai.OpenAI(base_url=sim.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    _clients.append(client)
+    return client
 
 
 def test_completion_non_streaming_has_usage(sim: SimProcess) -> None:
