@@ -7,6 +7,7 @@ server's process has exited (a bad config), instead of after its whole bound.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from http.server import BaseHTTPRequestHandler
@@ -16,8 +17,8 @@ import pytest
 from fixtures.common import free_port, http_server, need_binary, stop_process, wait_ready
 
 
-def test_waits_through_503_until_200() -> None:
-    answers = [503, 503, 200]
+def _answering(answers: list[int]) -> type[BaseHTTPRequestHandler]:
+    """A handler that answers each GET with the next status of ``answers``, the last one from then on."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -27,21 +28,21 @@ def test_waits_through_503_until_200() -> None:
         def log_message(self, *args: object) -> None:
             pass
 
-    with http_server(Handler) as port:
+    return Handler
+
+
+def test_waits_through_503_until_200() -> None:
+    answers = [503, 503, 200]
+    with http_server(_answering(answers)) as port:
         wait_ready(f"http://127.0.0.1:{port}/-/ready", timeout=30)
     assert answers == [200]
 
 
 def test_a_server_that_stays_unready_times_out_with_what_it_said() -> None:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(503)
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    with http_server(Handler) as port, pytest.raises(TimeoutError, match="not ready after 1s: HTTP 503"):
+    with (
+        http_server(_answering([503])) as port,
+        pytest.raises(TimeoutError, match="not ready after 1s: HTTP 503"),
+    ):
         wait_ready(f"http://127.0.0.1:{port}/-/ready", timeout=1)
 
 
@@ -50,7 +51,7 @@ def test_an_exited_process_fails_the_wait_at_once_naming_its_log(tmp_path: Path)
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     proc.wait(timeout=30)
     # The bound is long: a wait that ignored the exit would end in TimeoutError, not this error.
-    with pytest.raises(RuntimeError, match=rf"exited with 3 before it was ready; see {log}"):
+    with pytest.raises(RuntimeError, match="exited with 3 before it was ready; see " + re.escape(str(log))):
         wait_ready(f"http://127.0.0.1:{free_port()}/-/ready", timeout=120, proc=proc, log=log)
 
 

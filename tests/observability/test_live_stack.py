@@ -247,14 +247,13 @@ def stack(vllm_tiny: VllmDeployment, tmp_path_factory: pytest.TempPathFactory) -
             "  group_wait: 1s\n  group_interval: 1s\n  repeat_interval: 1h\n"
             "receivers:\n  - name: sarv-test\n"
         )
-        procs.append(
-            _start(
-                [alertmanager, f"--config.file={tmp / 'alertmanager.yml'}",
-                 f"--storage.path={tmp / 'am-data'}", f"--web.listen-address=127.0.0.1:{am_port}",
-                 "--cluster.listen-address=", "--log.level=warn"],
-                tmp / "alertmanager.log",
-            )
+        am_proc = _start(
+            [alertmanager, f"--config.file={tmp / 'alertmanager.yml'}",
+             f"--storage.path={tmp / 'am-data'}", f"--web.listen-address=127.0.0.1:{am_port}",
+             "--cluster.listen-address=", "--log.level=warn"],
+            tmp / "alertmanager.log",
         )  # fmt: skip
+        procs.append(am_proc)
         here = {"node": node}
         config = {
             "global": {
@@ -286,16 +285,15 @@ def stack(vllm_tiny: VllmDeployment, tmp_path_factory: pytest.TempPathFactory) -
         }
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
         prom_port = free_port()
-        procs.append(
-            _start(
-                [prometheus, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"],
-                tmp / "prometheus.log",
-            )
+        prom_proc = _start(
+            [prometheus, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
+             f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"],
+            tmp / "prometheus.log",
         )  # fmt: skip
+        procs.append(prom_proc)
         for port in (controller_port, node_port):
             wait_port(port, timeout=30)
-        for port, proc, name in ((am_port, procs[-2], "alertmanager"), (prom_port, procs[-1], "prometheus")):
+        for port, proc, name in ((am_port, am_proc, "alertmanager"), (prom_port, prom_proc, "prometheus")):
             wait_ready(f"http://127.0.0.1:{port}/-/ready", timeout=30, proc=proc, log=tmp / f"{name}.log")
         stack = Stack(
             dep=dep,
