@@ -269,6 +269,24 @@ def test_controlplane_config_names_the_gateway_tls_files_and_metrics_listener(tm
     assert "ExecReload=/bin/kill -HUP $MAINPID" in unit.splitlines()
 
 
+def test_controlplane_speaks_tls_to_a_tls_only_redis_cluster_with_its_ca(tmp_path: Path) -> None:
+    """With the redis group running TLS-only, the built state URL is rediss+cluster:// and the control plane
+    trusts the cluster's own CA unless it names another; a plain cluster keeps redis+cluster:// and no CA."""
+    tls = {"redis_cluster_tls_enabled": True, "redis_cluster_tls_ca_file": "files/redis-ca.crt"}
+    data = yaml.safe_load(_render(tmp_path, "sarv_controlplane", "config.yaml.j2", tls))
+    assert data["state_url"].startswith("rediss+cluster://10.20.0."), data["state_url"]
+    assert data["redis_tls_ca"] == "/etc/sarv/tls/redis-ca.crt"
+    # The CA file copied to /etc/sarv/tls/redis-ca.crt (an absolute template path: the role's variable alone).
+    source = tmp_path / "ca-source.j2"
+    source.write_text("{{ _sarv_controlplane_redis_tls_ca_file }}")
+    assert _render(tmp_path, "sarv_controlplane", str(source), tls).strip() == "files/redis-ca.crt"
+    own = {**tls, "sarv_controlplane_redis_tls_ca_file": "files/other-ca.crt"}
+    assert _render(tmp_path, "sarv_controlplane", str(source), own).strip() == "files/other-ca.crt"
+    plain = yaml.safe_load(_render(tmp_path, "sarv_controlplane", "config.yaml.j2", {}))
+    assert plain["state_url"].startswith("redis+cluster://10.20.0."), plain["state_url"]
+    assert "redis_tls_ca" not in plain
+
+
 def test_redis_config_hashes_user_passwords(tmp_path: Path) -> None:
     pw = {
         "redis_cluster_admin_password": "admin-password-0123456789",
@@ -343,11 +361,3 @@ def molecule_test(cwd: Path, instance: str, *args: str, timeout: int = 1500) -> 
 @pytest.mark.parametrize("role", SERVICE_ROLES)
 def test_molecule_service_role(role: str) -> None:
     molecule_test(REPO / "roles" / role, f"sarv-{role.replace('_', '-')}-{uuid.uuid4().hex[:8]}")
-
-
-@pytest.mark.molecule
-@pytest.mark.docker
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_molecule_redis_cluster_tls() -> None:
-    molecule_test(REPO / "roles" / "redis_cluster", f"sarv-redis-tls-{uuid.uuid4().hex[:8]}", "-s", "tls")

@@ -1,4 +1,5 @@
-"""The site after site.yml: Redis Cluster formed, Prometheus scraping, control plane up, fake GPUs listed."""
+"""The site after site.yml: a TLS-only Redis Cluster formed (clients, replication and cluster bus over TLS),
+Prometheus scraping, the control plane up and using the cluster over TLS, fake GPUs listed."""
 
 import json
 import os
@@ -11,6 +12,8 @@ RUN = os.environ.get("SARV_MOLECULE_INSTANCE", "sarv-site")
 SVC = f"{RUN}-svc"
 GPUS = [f"{RUN}-gpu1", f"{RUN}-gpu2"]
 VENV = "/opt/sarv/venv"
+PORTS = range(6379, 6385)  # six instances on the service node
+TLS = ["--tls", "--cacert", "/etc/redis/tls/ca.crt"]
 
 testinfra_hosts = [f"ansible://{SVC}"]
 
@@ -30,9 +33,37 @@ def addr(host):
     return host.interface.default().addresses[0]
 
 
-def _redis(host, addr, password, *args, user="sarv-admin"):
-    argv = ["redis-cli", "-c", "-h", addr, "-p", "6379", "--user", user, "--askpass", *args]
+def _redis(host, addr, password, *args, user="sarv-admin", port=6379, tls=True):
+    argv = ["redis-cli", "-c", "-h", addr, "-p", str(port), "--user", user, "--askpass"]
+    argv += [*(TLS if tls else []), *args]
     return host.run(f"printf '%s\\n' {shlex.quote(password)} | {' '.join(shlex.quote(a) for a in argv)}")
+
+
+def test_redis_tls_files(svc):
+    assert svc.file("/etc/redis/tls").mode == 0o750
+    key = svc.file("/etc/redis/tls/redis.key")
+    assert (key.user, key.group, key.mode) == ("root", "redis", 0o640)
+
+
+@pytest.mark.parametrize("port", PORTS)
+def test_redis_is_tls_only(svc, port):
+    text = svc.file(f"/etc/redis/redis-{port}.conf").content_string
+    assert "\nport 0\n" in text
+    assert f"\ntls-port {port}\n" in text
+    assert "\ntls-cluster yes\n" in text
+    assert "\ntls-replication yes\n" in text
+
+
+def test_redis_refuses_plain_text(svc, cfg, addr):
+    out = _redis(svc, addr, cfg["redis_cluster_admin_password"], "ping", tls=False)
+    assert "PONG" not in out.stdout
+
+
+def test_redis_replicas_follow_their_masters_over_tls(svc, cfg, addr):
+    password = cfg["redis_cluster_admin_password"]
+    links = [_redis(svc, addr, password, "info", "replication", port=p).stdout for p in PORTS]
+    assert sum("role:slave" in r for r in links) == 3, links
+    assert sum("master_link_status:up" in r for r in links) == 3, links
 
 
 def _get_json(host, url):
@@ -97,7 +128,12 @@ def test_control_plane_uses_the_redis_cluster(svc):
             'print(json.dumps(load_settings().model_dump(mode="json")))\''
         )
     )
-    assert cfg["state_url"].startswith("redis+cluster://")
+    # TLS, built from the redis group's TLS setting, trusting the cluster's CA and checking the address the
+    # certificate names: the lease below is taken over that connection.
+    assert cfg["state_url"].startswith("rediss+cluster://")
+    assert cfg["redis_tls_ca"] == "/etc/sarv/tls/redis-ca.crt"
+    ca = svc.file("/etc/redis/tls/ca.crt").content_string
+    assert svc.file("/etc/sarv/tls/redis-ca.crt").content_string == ca
     assert cfg["redis_password"] is None  # the secret is not in config.yaml
     journal = svc.check_output("journalctl -u sarv-controller --no-pager -o cat")
     assert "holds the lease" in journal, journal[-2000:]
