@@ -1,11 +1,12 @@
 """Fixture plugins shared by every test area (see tests/fixtures/), two guards (a SIGTERM ends the run as
-Ctrl-C does, and standard input stays blocking from one test to the next), and a CPU line in the summary."""
+Ctrl-C does, and standard input stays blocking from one test to the next), and the CPU time in the summary:
+the whole process's and the tests that took most."""
 
 import os
 import resource
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from types import FrameType
 
 import pytest
@@ -45,13 +46,41 @@ def _blocking_stdin() -> Iterator[None]:
         pass
 
 
+_CPU_BY_TEST: dict[str, float] = {}
+_CPU_TOP = 15
+
+
+def _cpu_seconds() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
+    """Each test's CPU time, setup to teardown: this process's and that of the children reaped meanwhile."""
+    start = _cpu_seconds()
+    try:
+        return (yield)
+    finally:
+        _CPU_BY_TEST[item.nodeid] = _cpu_seconds() - start
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """The CPU time this pytest process used, itself and the children it waited for (Ansible, QEMU, engines,
     SSH); the processes of containers are Docker's and not counted. scripts/test's whole run prints one such
-    line for each of its pytest processes, to show which one the two cores went to."""
+    line for each of its pytest processes, to show which one the two cores went to, and the tests that took
+    most of it (``--durations`` ranks by wall time, which on shared cores mostly measures waiting). A child
+    counts for the test during which it was reaped: a server a module's fixture started, for the module's
+    last test."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     terminalreporter.write_line(
         f"CPU: {own.ru_utime + own.ru_stime:.0f} s in this process, "
         f"{children.ru_utime + children.ru_stime:.0f} s in its children (containers not counted)"
     )
+    top = sorted(_CPU_BY_TEST.items(), key=lambda kv: kv[1], reverse=True)[:_CPU_TOP]
+    if len(_CPU_BY_TEST) > 1 and top:
+        terminalreporter.write_line(f"CPU of the {len(top)} tests that took most (setup to teardown):")
+        for nodeid, seconds in top:
+            terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")
