@@ -50,20 +50,21 @@ _CPU_BY_TEST: dict[str, float] = {}
 _CPU_TOP = 15
 
 
-def _cpu_seconds() -> float:
+def _cpu_seconds() -> tuple[float, float]:
+    """CPU seconds of this process, and of the children it has reaped."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
     """Each test's CPU time, setup to teardown: this process's and that of the children reaped meanwhile."""
-    start = _cpu_seconds()
+    start = sum(_cpu_seconds())
     try:
         return (yield)
     finally:
-        _CPU_BY_TEST[item.nodeid] = _cpu_seconds() - start
+        _CPU_BY_TEST[item.nodeid] = sum(_cpu_seconds()) - start
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -73,14 +74,12 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     most of it (``--durations`` ranks by wall time, which on shared cores mostly measures waiting). A child
     counts for the test during which it was reaped: a server a module's fixture started, for the module's
     last test."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    own, children = _cpu_seconds()
     terminalreporter.write_line(
-        f"CPU: {own.ru_utime + own.ru_stime:.0f} s in this process, "
-        f"{children.ru_utime + children.ru_stime:.0f} s in its children (containers not counted)"
+        f"CPU: {own:.0f} s in this process, {children:.0f} s in its children (containers not counted)"
     )
-    top = sorted(_CPU_BY_TEST.items(), key=lambda kv: kv[1], reverse=True)[:_CPU_TOP]
-    if len(_CPU_BY_TEST) > 1 and top:
+    if len(_CPU_BY_TEST) > 1:
+        top = sorted(_CPU_BY_TEST.items(), key=lambda kv: kv[1], reverse=True)[:_CPU_TOP]
         terminalreporter.write_line(f"CPU of the {len(top)} tests that took most (setup to teardown):")
         for nodeid, seconds in top:
             terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")
