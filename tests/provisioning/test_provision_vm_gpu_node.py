@@ -26,7 +26,7 @@ modules, the persistence daemon and nvidia-smi (``nvidia_driver_gpu``). The test
 6. a repository key that is not the pinned one stops the run, naming the pinned fingerprint;
 7. drives carrying a filesystem, a partition table or a RAID signature are refused and left intact, so are a
    missing drive and a file that is not a block device, and with ``nvme_raid_force`` a single drive is wiped
-   and mounted without RAID (XFS, noatime, by UUID, read-ahead).
+   and mounted without RAID (XFS, noatime, by UUID, read-ahead), with xfsprogs and not mdadm asked for.
 
 These replaced the two roles' Molecule scenarios in containers, which could not build the array (no md
 driver) and skipped everything tagged ``gpu_host``; and the two roles' separate VMs, one for each.
@@ -88,7 +88,8 @@ FOREIGN_KEY = "EB693B3035CD5710E231E123A4B469963BF863CC"
 BLACKLIST = "/etc/modprobe.d/blacklist-nouveau.conf"
 SKIP = ("--skip-tags", "nvidia_driver_kernel_packages,nvidia_driver_gpu")
 REBOOT = "TASK [nvidia_driver : Reboot into the new driver]"
-REBUILD = "TASK [nvidia_driver : Rebuild the initramfs without nouveau]"
+REBUILD = "TASK [nvidia_driver : Rebuild the initramfs without nouveau unless it is newer than the blacklist]"
+INSTALL = "nvme_raid : Install mdadm and xfsprogs"
 HANDLER = "RUNNING HANDLER [nvme_raid : Update the initramfs unless it is newer than mdadm.conf]"
 
 PREPARE = f"""---
@@ -260,8 +261,9 @@ def test_converge_builds_the_cache_and_reboots_into_the_driver_with_one_initramf
     out = _gpu_nodes(fleet, "converge", timeout=1500)
     assert out.returncode == 0, tail(out.stdout, 120)
 
-    # The model cache.
+    # The model cache, and the packages its array needs.
     _check_model_cache(vm)
+    assert [a["name"] for a in fleet.module_args("converge", INSTALL)] == [["xfsprogs", "mdadm"]]
 
     # The driver: rebooted by the role, nouveau gone, the play went on after the reboot (nvme_raid's
     # handler runs at the end of the roles).
@@ -451,5 +453,7 @@ def test_drives_with_data_are_refused_unless_forced(fleet: Fleet) -> None:
     assert "LABEL=sarv-single" in probe
     single_device = _check_mounted_xfs(vm, EXT4.guest_path, "/srv/single")
     assert single_device.removeprefix("/dev/") not in vm.ssh("cat /proc/mdstat").stdout
+    # No array, so no mdadm asked for (the image carries it: whether it is installed says nothing).
+    assert [a["name"] for a in fleet.module_args("refusals", INSTALL)] == [["xfsprogs"]]
     # The RAID-0 model cache is still there.
     assert vm.ssh(f"findmnt -n -o FSTYPE {MOUNT}").stdout.strip() == "xfs"
