@@ -19,7 +19,7 @@ from controlplane.controller.health import PROBED_STATES, HealthRule, judge, pro
 from controlplane.engines.base import Engine, ReplicaContext, check_engine_args
 from controlplane.errors import LaunchError, NotFoundError, PlacementError, SarvError, UserError, WeightsError
 from controlplane.launchers import claim_handle
-from controlplane.launchers.base import Launcher, ProcessState, ReplicaProcess
+from controlplane.launchers.base import Launcher, ProcessState, ReplicaProcess, last_error_line
 from controlplane.launchers.local import LocalLauncher
 from controlplane.settings import Settings
 from controlplane.spec import (
@@ -800,8 +800,7 @@ class Deployer:
                 proc = item.launcher.poll(rec.handle)
                 # A restart while loading is a crash during start-up too (the supervisor hides it).
                 if proc.state is not ProcessState.RUNNING or proc.restarts:
-                    tail = [ln for ln in item.launcher.logs(rec.handle, tail=40) if ln.strip()]
-                    last = _last_error(tail)
+                    last = last_error_line(item.launcher.logs(rec.handle, tail=40)) or "no output"
                     code = f" with code {proc.exit_code}" if proc.exit_code is not None else ""
                     log = rec.handle.get("log", "")
                     raise LaunchError(
@@ -1107,12 +1106,3 @@ def _rolled_back(spec: DeploymentSpec, exc: BaseException) -> BaseException:
     if isinstance(exc, KeyboardInterrupt):
         return LaunchError(f"deploy of {spec.name} interrupted; the deploy was rolled back")
     return exc
-
-
-def _last_error(lines: list[str]) -> str:
-    """The most telling line of a start-up log: the last error-looking line, else the last line."""
-    for line in reversed(lines):
-        low = line.lower()
-        if "error" in low or "exception" in low or "failed" in low:
-            return line.strip()[:300]
-    return lines[-1].strip()[:300] if lines else "no output"

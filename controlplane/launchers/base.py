@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from enum import StrEnum
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -14,7 +15,7 @@ from controlplane.engines.base import EngineLaunch
 from controlplane.errors import LaunchError
 from controlplane.weights import WeightsPolicy
 
-__all__ = ["Launcher", "ProcessState", "ReplicaProcess", "write_env_file"]
+__all__ = ["Launcher", "ProcessState", "ReplicaProcess", "env_file_text", "last_error_line", "write_env_file"]
 
 
 class ProcessState(StrEnum):
@@ -78,20 +79,49 @@ class Launcher(Protocol):
         ...
 
 
-def write_env_file(path: Path, secret_env: dict[str, SecretStr]) -> None:
-    """Write secrets for ``docker --env-file`` / systemd ``EnvironmentFile`` (``KEY=VALUE``), mode 0600.
-
-    The file is created 0600 before anything is written, so the secret is never world-readable, not
-    even for an instant. Values are taken literally by both readers, so a newline cannot be encoded.
-    """
+def env_file_text(secret_env: dict[str, SecretStr]) -> str:
+    """``KEY=VALUE`` lines for ``docker --env-file`` / systemd ``EnvironmentFile``. Both readers take values
+    literally, so a newline cannot be encoded: such a secret, or a key that is not a name, is refused."""
     lines = []
     for key, value in sorted(secret_env.items()):
         text = value.get_secret_value()
         if "\n" in text or "\r" in text or not key.isidentifier():
             raise LaunchError(f"secret {key} cannot be written to an env file (bad name or a newline in it)")
         lines.append(f"{key}={text}\n")
+    return "".join(lines)
+
+
+def write_env_file(path: Path, secret_env: dict[str, SecretStr]) -> None:
+    """Write secrets for ``docker --env-file`` / systemd ``EnvironmentFile`` (``KEY=VALUE``), mode 0600.
+
+    The file is created 0600 before anything is written, so the secret is never world-readable, not
+    even for an instant.
+    """
+    text = env_file_text(secret_env)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         os.fchmod(f.fileno(), 0o600)  # O_CREAT's mode does not apply to an existing file
-        f.write("".join(lines))
+        f.write(text)
+
+
+# systemd's own journal lines about a unit that say that it failed, stopped or restarts, not why.
+_SYSTEMD_GENERIC = re.compile(
+    r"(?:\S+\.service: (?:Failed with result|Main process exited|Control process exited|Scheduled restart job"
+    r"|Start request repeated too quickly|Consumed |Deactivated successfully|Killing process))"
+    r"|(?:Failed to start|Started|Stopped|Stopping|Starting) \S+\.service"
+)
+_ERROR_WORDS = ("error", "failed", "exception", "denied")
+
+
+def last_error_line(lines: Iterable[str]) -> str:
+    """The most telling line of a replica's log or journal, or '': the last line that reads like an error,
+    else the last line. systemd's generic lines about the unit ("Failed with result 'exit-code'", "Failed to
+    start …") are taken only when no other line reads like an error: they come after the process's own."""
+    kept = [s for line in lines if (s := line.strip()) and s != "-- No entries --"]
+    own = [line for line in kept if not _SYSTEMD_GENERIC.match(line)]
+    for pool in (own, kept):
+        for line in reversed(pool):
+            if any(word in line.lower() for word in _ERROR_WORDS):
+                return line[:300]
+    return kept[-1][:300] if kept else ""

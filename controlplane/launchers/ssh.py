@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from controlplane.engines.base import EngineLaunch
 from controlplane.errors import DiscoveryError, LaunchError
-from controlplane.launchers.base import ProcessState, ReplicaProcess
+from controlplane.launchers.base import ProcessState, ReplicaProcess, env_file_text, last_error_line
 from controlplane.launchers.units import UNIT_DIR, UnitSpec, env_file_path, render_unit, unit_name
 from controlplane.spec import Node
 from controlplane.weights import MANIFEST_NAME, WeightsPolicy, ensure_weights, sha256_file
@@ -353,16 +353,9 @@ class SshLauncher:
     def start_unit(self, unit: UnitSpec, launch: EngineLaunch | None = None) -> dict[str, str]:
         """Install ``unit`` (and its 0600 env file) and (re)start it; returns the replica handle."""
         if unit.env_file is not None and launch is not None:
-            lines = []
-            for key, value in sorted(launch.secret_env.items()):
-                text = value.get_secret_value()
-                if "\n" in text or "\r" in text or not key.isidentifier():
-                    raise LaunchError(
-                        f"secret {key} cannot be written to an env file (bad name or a newline)"
-                    )
-                lines.append(f"{key}={text}\n")
+            text = env_file_text(launch.secret_env)
             self.run(f"install -d -m 0700 {shlex.quote(str(unit.env_file.parent))}")
-            self.put_text(unit.env_file, "".join(lines), mode=0o600)
+            self.put_text(unit.env_file, text, mode=0o600)
         try:
             self.put_text(UNIT_DIR / unit.name, render_unit(unit), mode=0o644)
             res = self.run(
@@ -397,7 +390,7 @@ class SshLauncher:
         q = shlex.quote(unit)
         for match in ([f"_SYSTEMD_UNIT={q}"] if own_output else []) + [f"-u {q}"]:
             tail = self.run(f"journalctl {match} -n {lines} --no-pager -o cat", check=False)
-            if why := _last_error(tail.stdout):
+            if why := last_error_line(tail.stdout.splitlines()):
                 return why
         return ""
 
@@ -471,14 +464,6 @@ def _journal_lines(text: str) -> Generator[str, None, str]:
         elif line != "-- No entries --":
             yield line
     return cursor
-
-
-def _last_error(text: str) -> str:
-    lines = [s for ln in text.splitlines() if (s := ln.strip()) and s != "-- No entries --"]
-    for line in reversed(lines):
-        if any(w in line.lower() for w in ("error", "failed", "exception", "denied")):
-            return line[:300]
-    return lines[-1][:300] if lines else ""
 
 
 def _protect_home(python: str) -> str:

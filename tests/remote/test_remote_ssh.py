@@ -117,6 +117,8 @@ def test_engine_crash_at_start_rolls_back_every_replica(
     with pytest.raises(LaunchError, match="rolled back") as err:
         w.deployer.deploy(spec, timeout=60)
     assert "bad-" in str(err.value)
+    # Why it exited, from the process's own output, not systemd's "Failed with result 'exit-code'" after it.
+    assert "error: unrecognized arguments: --no-such-flag 1" in str(err.value), str(err.value)
     assert w.store.list_deployments() == [] and w.store.list_replicas() == []
     for host in remote_hosts:
         assert host.exec("ls /etc/systemd/system | grep '^sarv-' || true").stdout.strip() == ""

@@ -189,3 +189,34 @@ def test_supervisor_gives_up_after_its_restarts(tmp_path: Path) -> None:
     proc = launcher.poll(handle)
     assert (proc.state, proc.exit_code) == (ProcessState.EXITED, 4)
     launcher.stop(handle)
+
+
+def test_the_telling_line_of_a_journal_is_the_processs_error_not_systemds_verdict() -> None:
+    """A unit's journal (``journalctl -u … -o cat``) ends with systemd's own lines, which say only that it
+    failed: the line taken is the process's error, or systemd's reason when the process said nothing."""
+    from controlplane.launchers.base import last_error_line
+
+    crashed = [
+        "Started sarv-web-0.service - Sarv replica web-0.",
+        "INFO loading weights",
+        "ValueError: max_model_len 8192 is larger than the model's 2048",
+        "sarv-web-0.service: Main process exited, code=exited, status=1/FAILURE",
+        "sarv-web-0.service: Failed with result 'exit-code'.",
+        "sarv-web-0.service: Scheduled restart job, restart counter is at 1.",
+        "Stopped sarv-web-0.service - Sarv replica web-0.",
+    ]
+    assert last_error_line(crashed) == "ValueError: max_model_len 8192 is larger than the model's 2048"
+    # Type=exec: the start itself failed, and systemd's own line says why.
+    not_spawned = [
+        "sarv-web-0.service: Failed to locate executable /opt/venv/bin/python: No such file or directory",
+        "sarv-web-0.service: Failed at step EXEC spawning /opt/venv/bin/python: No such file or directory",
+        "sarv-web-0.service: Main process exited, code=exited, status=203/EXEC",
+        "sarv-web-0.service: Failed with result 'exit-code'.",
+        "Failed to start sarv-web-0.service - Sarv replica web-0.",
+    ]
+    assert last_error_line(not_spawned).startswith("sarv-web-0.service: Failed at step EXEC spawning")
+    # Killed without a word: systemd's verdict is all there is.
+    killed = ["INFO loading weights", "sarv-web-0.service: Failed with result 'oom-kill'."]
+    assert last_error_line(killed) == "sarv-web-0.service: Failed with result 'oom-kill'."
+    assert last_error_line(["INFO loading weights", "  "]) == "INFO loading weights"
+    assert last_error_line(["-- No entries --"]) == ""
