@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from fixtures.common import free_port, wait_port
+from fixtures.common import bound_socket, free_port, wait_port
 from fixtures.gateway import add_key, add_replica, make_store
 
 from controlplane.gateway import GatewayConfig
@@ -139,16 +139,18 @@ class _FakeUpstream:
 @pytest.fixture
 def upstream():
     app = _FakeUpstream()
-    port = free_port()
+    sock = bound_socket()
+    port = int(sock.getsockname()[1])
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
     )
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     wait_port(port)
     yield app, f"http://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(timeout=10)
+    sock.close()
 
 
 @pytest.fixture
