@@ -3,6 +3,7 @@ new requests go to the others, and the replica stops once it is idle."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -24,12 +25,13 @@ def test_a_drained_nodes_stream_finishes_and_new_requests_go_elsewhere(sim_deplo
         name="web", model="sarv-tiny", engine=EngineKind.SIM, replicas=2, engine_args={"itl_ms": 50}
     )
     d.deploy(spec, timeout=120)
-    starter = GatewayStarter()
-    try:
+    with contextlib.ExitStack() as stack:
+        starter = GatewayStarter()
+        stack.callback(starter.close)
         gw = starter(d.store)
         key = add_key(d.store)
         headers = {"Authorization": f"Bearer {key}"}
-        client = httpx.Client(base_url=gw.url, headers=headers, timeout=60)
+        client = stack.enter_context(httpx.Client(base_url=gw.url, headers=headers, timeout=60))
         body = {"model": "web", "prompt": "hello", "max_tokens": _TOKENS, "ignore_eos": True}
         wait_for(lambda: client.post("/v1/completions", json={**body, "max_tokens": 1}).status_code == 200)
 
@@ -82,6 +84,3 @@ def test_a_drained_nodes_stream_finishes_and_new_requests_go_elsewhere(sim_deplo
         assert len(result.replaced["web"]) == 1
         assert not result.drained[0].timed_out, "stopped once the stream finished, not at the timeout"
         assert d.store.get_replica(rec.id) is None
-        client.close()
-    finally:
-        starter.close()

@@ -102,12 +102,11 @@ def test_trust_window_is_shorter_than_the_ttl(client: redis.Redis) -> None:
 def test_unreachable_redis_is_a_state_error() -> None:
     from fixtures.common import free_port
 
-    c = redis.Redis(port=free_port(), socket_connect_timeout=1, socket_timeout=1)
-    lease = RedisLease(c, KEY, ttl_s=5, holder="a")
-    with pytest.raises(StateError, match="controller lease"):
-        lease.acquire()
-    assert lease.held() is False
-    c.close()
+    with redis.Redis(port=free_port(), socket_connect_timeout=1, socket_timeout=1) as c:
+        lease = RedisLease(c, KEY, ttl_s=5, holder="a")
+        with pytest.raises(StateError, match="controller lease"):
+            lease.acquire()
+        assert lease.held() is False
 
 
 @pytest.mark.redis
