@@ -8,6 +8,7 @@ does (a zip of a new name each run).
 from __future__ import annotations
 
 import json
+import marshal
 import subprocess
 import sys
 import zipfile
@@ -41,6 +42,11 @@ def _zip(path: Path, value: int) -> Path:
     return path
 
 
+def _sources(archive: Path) -> list[str]:
+    """The paths zipimport compiles from ``archive``: the package's ``__init__``, then ``mod``."""
+    return [str(archive / "sarvprobe" / f) for f in ("__init__.py", "mod.py")]
+
+
 def _import(cache_dir: Path, archive: Path) -> dict[str, object]:
     out = subprocess.run(
         [sys.executable, "-c", _PROBE, str(CACHE_MODULE), str(cache_dir), str(archive)],
@@ -59,7 +65,7 @@ def test_a_second_import_of_the_same_source_compiles_nothing_and_names_its_own_z
     assert first["value"] == 1
     # The package's __init__ and mod, each once: zipimport compiles a module twice per import (once for
     # its file name), and the second time it comes from the cache.
-    assert first["compiled"] == [str(tmp_path / "a.zip" / "sarvprobe" / f) for f in ("__init__.py", "mod.py")]
+    assert first["compiled"] == _sources(tmp_path / "a.zip")
     assert len(list(cache.iterdir())) == 2
     assert (cache.stat().st_mode & 0o777) == 0o700
 
@@ -83,14 +89,17 @@ def test_a_cache_that_cannot_be_written_or_read_is_compiled_around(tmp_path: Pat
     blocked.write_text("")
     result = _import(blocked, _zip(tmp_path / "a.zip", 3))
     assert result["value"] == 3
-    assert len(result["compiled"]) == 4  # type: ignore[arg-type]  # as without the cache: each twice
+    # Each compiled once: zipimport's second ask for the code comes from this process's own copy.
+    assert result["compiled"] == _sources(tmp_path / "a.zip")
 
     cache = tmp_path / "cache"
     _import(cache, _zip(tmp_path / "b.zip", 4))
-    for entry in cache.iterdir():
-        entry.write_bytes(b"not bytecode")
-    result = _import(cache, _zip(tmp_path / "c.zip", 4))
-    assert result["value"] == 4
-    # Each compiled once more, and the cache written anew for the next import.
-    assert len(result["compiled"]) == 2  # type: ignore[arg-type]
-    assert _import(cache, _zip(tmp_path / "d.zip", 4))["compiled"] == []
+    # Entries that are not bytecode, or bytecode of something other than code.
+    for garbage, name in ((b"not bytecode", "c"), (marshal.dumps(42), "e")):
+        for entry in cache.iterdir():
+            entry.write_bytes(garbage)
+        result = _import(cache, _zip(tmp_path / f"{name}.zip", 4))
+        assert result["value"] == 4
+        # Each compiled once more, and the cache written anew for the next import.
+        assert len(result["compiled"]) == 2  # type: ignore[arg-type]
+        assert _import(cache, _zip(tmp_path / f"{name}2.zip", 4))["compiled"] == []
